@@ -1,0 +1,10 @@
+"""CLI commands of this package."""
+
+from __future__ import annotations
+
+from producer.unbuilt import not_built
+
+
+def scheduler() -> None:
+    """Not built yet."""
+    not_built("scheduler", "[serving]")

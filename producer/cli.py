@@ -1,0 +1,36 @@
+"""The ``chorus`` command line. Each command lives with the package that implements it; this module only
+assembles them, and every command module defers heavy imports (torch, diffusers) to call time so that
+``chorus --help`` stays instant."""
+
+from __future__ import annotations
+
+import typer
+
+from chorus_sched import cli as sched_cli
+from producer import cli_produce, demo
+from workers import cli as worker_cli
+from workers.engine import cli as engine_cli
+from workers.toy import cli as toy_cli
+
+app = typer.Typer(
+    name="chorus",
+    help="Chorus: serve text-to-video diffusion requests cheaper by reusing work from similar requests.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+bench_app = typer.Typer(help="Benchmarks that print JSON (speed, quality).", no_args_is_help=True)
+
+app.command("demo")(demo.demo)
+app.command("produce")(cli_produce.produce)
+app.command("scheduler")(sched_cli.scheduler)
+app.command("worker")(worker_cli.worker)
+app.command("generate")(engine_cli.generate)
+app.command("train-toy")(toy_cli.train_toy)
+bench_app.command("engine")(engine_cli.bench_engine)
+bench_app.command("quality")(toy_cli.bench_quality)
+app.add_typer(bench_app, name="bench")
+
+
+def main() -> None:
+    app()

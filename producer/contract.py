@@ -1,0 +1,317 @@
+"""The request/result contract: what producers publish, what the system answers, what it dead-letters.
+
+JSON on the wire, versioned by ``schema_version``. ``parse_request`` is the one way raw bytes become a
+``GenerationRequest``; it never raises anything but ``ContractError``, whose issues name the field and the
+rule that was broken.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from producer.catalog import CATALOG, compatibility_key
+
+SCHEMA_VERSION = 1
+
+# Ids travel as Kafka keys, S3 object names and Qdrant payloads: keep them to a safe alphabet.
+Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+Prompt = Annotated[str, StringConstraints(min_length=1, max_length=2000)]
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class ReusePolicy(StrEnum):
+    AUTO = "auto"
+    OFF = "off"
+
+
+class FieldIssue(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    field: str
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message} [{self.rule}]"
+
+
+class ContractError(ValueError):
+    """Raw input does not satisfy the contract. ``issues`` says which field broke which rule."""
+
+    def __init__(self, issues: list[FieldIssue]) -> None:
+        self.issues = issues
+        super().__init__("; ".join(str(i) for i in issues))
+
+    @property
+    def code(self) -> str:
+        return "invalid_request"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False)
+
+
+class GenerationRequest(_Wire):
+    """One text-to-video request. Omitted shape/steps/guidance fields take the model's defaults."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    request_id: Identifier = Field(default_factory=_new_request_id)
+    tenant: Identifier = "default"
+    prompt: Prompt
+    negative_prompt: Annotated[str, StringConstraints(max_length=2000)] | None = None
+    model: str = "toy"
+    num_frames: int = Field(default=-1, ge=1, le=1024, validate_default=False)
+    height: int = Field(default=-1, ge=8, le=4096, validate_default=False)
+    width: int = Field(default=-1, ge=8, le=4096, validate_default=False)
+    num_steps: int = Field(default=-1, ge=1, le=1000, validate_default=False)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    guidance_scale: float = Field(default=-1.0, ge=0.0, le=50.0, allow_inf_nan=False, validate_default=False)
+    reuse: ReusePolicy = ReusePolicy.AUTO
+    priority: int = Field(default=0, ge=0, le=9)
+    submitted_at: AwareDatetime = Field(default_factory=_utcnow)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        spec = CATALOG.get(data.get("model", "toy")) if isinstance(data.get("model", "toy"), str) else None
+        if spec is None:
+            return data
+        defaults = {
+            "num_frames": spec.default_num_frames,
+            "height": spec.default_height,
+            "width": spec.default_width,
+            "num_steps": spec.default_num_steps,
+            "guidance_scale": spec.default_guidance_scale,
+        }
+        return {**defaults, **{k: v for k, v in data.items() if v is not None or k not in defaults}}
+
+    @model_validator(mode="after")
+    def _fits_model(self) -> Self:
+        if not self.prompt.strip():
+            raise PydanticCustomError("blank", "must contain a non-whitespace character", {"field": "prompt"})
+        spec = CATALOG.get(self.model)
+        if spec is None:
+            known = ", ".join(sorted(CATALOG))
+            raise PydanticCustomError(
+                "unknown_model",
+                "model '{model}' is not in the registry (known: {known})",
+                {"field": "model", "model": self.model, "known": known},
+            )
+        for name in ("num_frames", "height", "width", "num_steps"):
+            value = getattr(self, name)
+            why = getattr(spec, name).check(value)
+            if why is not None:
+                raise PydanticCustomError(
+                    "model_shape",
+                    "{why} for model '{model}' (got {value})",
+                    {"field": name, "why": why, "model": self.model, "value": value},
+                )
+        return self
+
+    @property
+    def compatibility_key(self) -> str:
+        return compatibility_key(self.model, self.num_frames, self.height, self.width, self.num_steps)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class ReusePlan(_Wire):
+    """How the N denoising steps split into the three stages, and how Stage 2 behaves.
+
+    Stage 1 skips ``stage1_steps`` by starting from the donor's latent; Stage 2 recomputes only the
+    divergent tokens for ``stage2_steps``; Stage 3 runs ``stage3_steps`` in full.
+    """
+
+    stage1_steps: int = Field(ge=0)
+    stage2_steps: int = Field(ge=0)
+    stage3_steps: int = Field(ge=0)
+    alpha: float = Field(default=1.0, ge=1.0, le=20.0, allow_inf_nan=False)
+    mask_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    min_active_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    max_active_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    tgaa_in_stage3: bool = False
+
+    @model_validator(mode="after")
+    def _ordered_fractions(self) -> Self:
+        if self.min_active_fraction > self.max_active_fraction:
+            raise PydanticCustomError(
+                "fraction_order",
+                "min_active_fraction must not exceed max_active_fraction",
+                {"field": "min_active_fraction"},
+            )
+        return self
+
+    @property
+    def num_steps(self) -> int:
+        return self.stage1_steps + self.stage2_steps + self.stage3_steps
+
+    @property
+    def reuses(self) -> bool:
+        return self.stage1_steps + self.stage2_steps > 0
+
+    @classmethod
+    def full(cls, num_steps: int) -> ReusePlan:
+        return cls(stage1_steps=0, stage2_steps=0, stage3_steps=num_steps)
+
+
+class ResultStatus(StrEnum):
+    DONE = "done"
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+
+class ErrorInfo(_Wire):
+    code: str
+    message: str
+
+
+class DonorInfo(_Wire):
+    request_id: str
+    similarity: float = Field(ge=-1.0, le=1.0)
+
+
+class PhaseTimings(_Wire):
+    """Seconds spent in each phase of one request."""
+
+    queue_s: float = Field(default=0.0, ge=0.0)
+    fetch_s: float = Field(default=0.0, ge=0.0)
+    denoise_s: float = Field(default=0.0, ge=0.0)
+    decode_s: float = Field(default=0.0, ge=0.0)
+    upload_s: float = Field(default=0.0, ge=0.0)
+
+
+class GenerationResult(_Wire):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    request_id: str
+    tenant: str = "default"
+    status: ResultStatus
+    error: ErrorInfo | None = None
+    video_uri: str | None = None
+    donor: DonorInfo | None = None
+    plan: ReusePlan | None = None
+    steps_computed: int = Field(default=0, ge=0)
+    steps_requested: int = Field(default=0, ge=0)
+    tokens_computed_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    fallback: str | None = Field(default=None, description="why a planned donor was not used, if it was not")
+    timings: PhaseTimings = Field(default_factory=PhaseTimings)
+    worker: str | None = None
+    completed_at: AwareDatetime = Field(default_factory=_utcnow)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class DeadLetter(_Wire):
+    """A message the scheduler could not accept, kept whole so nothing is lost."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    raw_b64: str
+    key_b64: str | None = None
+    error: ErrorInfo
+    issues: list[FieldIssue] = Field(default_factory=list)
+    topic: str
+    partition: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    dead_lettered_at: AwareDatetime = Field(default_factory=_utcnow)
+
+    @classmethod
+    def from_error(
+        cls, raw: bytes, key: bytes | None, error: ContractError, topic: str, partition: int, offset: int
+    ) -> DeadLetter:
+        return cls(
+            raw_b64=base64.b64encode(raw).decode(),
+            key_b64=base64.b64encode(key).decode() if key is not None else None,
+            error=ErrorInfo(code=error.code, message=str(error)),
+            issues=error.issues,
+            topic=topic,
+            partition=partition,
+            offset=offset,
+        )
+
+    def raw(self) -> bytes:
+        return base64.b64decode(self.raw_b64)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+def issues_from_validation(exc: ValidationError) -> list[FieldIssue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        ctx = err.get("ctx") or {}
+        field = ctx.get("field") or ".".join(str(p) for p in err["loc"]) or "<root>"
+        issues.append(FieldIssue(field=str(field), rule=err["type"], message=err["msg"]))
+    return issues
+
+
+def parse_request(raw: bytes | str) -> GenerationRequest:
+    """Parse one wire message. Raises ContractError (only) when it is not a valid request."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ContractError(
+                [FieldIssue(field="<message>", rule="utf8", message=f"not UTF-8 at byte {exc.start}")]
+            ) from None
+    else:
+        text = raw
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        message = f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(
+            exc, json.JSONDecodeError
+        ) else "not JSON: nested too deeply"
+        raise ContractError([FieldIssue(field="<message>", rule="json", message=message)]) from None
+    if not isinstance(data, dict):
+        raise ContractError(
+            [FieldIssue(field="<message>", rule="object", message=f"must be a JSON object, got {type(data).__name__}")]
+        )
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise ContractError(
+            [
+                FieldIssue(
+                    field="schema_version",
+                    rule="schema_version",
+                    message=f"unsupported schema_version {version!r}; this service speaks {SCHEMA_VERSION}",
+                )
+            ]
+        )
+    try:
+        return GenerationRequest.model_validate(data)
+    except ValidationError as exc:
+        raise ContractError(issues_from_validation(exc)) from None
+
+
+def build_request(**fields: Any) -> GenerationRequest:
+    """Construct a request in code with the same errors a wire message would get."""
+    try:
+        return GenerationRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise ContractError(issues_from_validation(exc)) from None
