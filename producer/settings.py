@@ -1,0 +1,56 @@
+"""Configuration by environment (prefix ``CHORUS_``), one settings object per service.
+
+Field groups shared by several services are mixins here so every service spells an address the same way;
+defaults point at the embedded setup that ``chorus demo`` starts, so nothing needs configuring locally.
+Credentials have no defaults in code: they come from the environment (or the demo generates them).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_API_VERSION = re.compile(r"^(auto|\d+(\.\d+){1,2})$")
+
+
+class ChorusSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CHORUS_", extra="ignore", validate_default=True)
+
+    state_dir: Path = Field(default=Path(".chorus"), description="local state of the embedded setup")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["console", "json"] = "console"
+
+
+class KafkaSettings(ChorusSettings):
+    kafka_bootstrap: str = Field(default="127.0.0.1:9092", min_length=1)
+    # kafka-python probes the broker version unless told; some Kafka-protocol brokers (librdkafka's mock
+    # cluster) answer the probe in a form it cannot decode, so the version is configurable.
+    kafka_api_version: str = "auto"
+    kafka_requests_topic: str = "chorus.requests"
+    kafka_results_topic: str = "chorus.results"
+    kafka_dead_letter_topic: str = "chorus.requests.dlq"
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: str | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+
+    @field_validator("kafka_api_version")
+    @classmethod
+    def _api_version_form(cls, value: str) -> str:
+        if not _API_VERSION.match(value):
+            raise ValueError("must be 'auto' or a dotted version such as '2.1.0'")
+        return value
+
+    @property
+    def kafka_api_version_tuple(self) -> tuple[int, ...] | None:
+        if self.kafka_api_version == "auto":
+            return None
+        return tuple(int(p) for p in self.kafka_api_version.split("."))
+
+
+class ProducerSettings(KafkaSettings):
+    result_timeout_s: float = Field(default=300.0, gt=0)
