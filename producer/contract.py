@@ -27,7 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from producer.catalog import CATALOG, compatibility_key
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 # Ids travel as Kafka keys, S3 object names and Qdrant payloads: keep them to a safe alphabet.
 Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
@@ -284,13 +284,21 @@ def parse_request(raw: bytes | str) -> GenerationRequest:
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
-        message = f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(
-            exc, json.JSONDecodeError
-        ) else "not JSON: nested too deeply"
+        message = (
+            f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            if isinstance(exc, json.JSONDecodeError)
+            else "not JSON: nested too deeply"
+        )
         raise ContractError([FieldIssue(field="<message>", rule="json", message=message)]) from None
     if not isinstance(data, dict):
         raise ContractError(
-            [FieldIssue(field="<message>", rule="object", message=f"must be a JSON object, got {type(data).__name__}")]
+            [
+                FieldIssue(
+                    field="<message>",
+                    rule="object",
+                    message=f"must be a JSON object, got {type(data).__name__}",
+                )
+            ]
         )
     version = data.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:

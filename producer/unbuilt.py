@@ -8,5 +8,7 @@ from rich.markup import escape
 
 
 def not_built(command: str, issue: str) -> None:
-    Console(stderr=True).print(f"[bold red]chorus {command}[/] is not built yet (see the {escape(issue)} issue).")
+    Console(stderr=True).print(
+        f"[bold red]chorus {command}[/] is not built yet (see the {escape(issue)} issue)."
+    )
     raise typer.Exit(code=2)

@@ -1,0 +1,95 @@
+"""The Kafka adapter: the only module that talks to Kafka (kafka-python).
+
+Producers, the scheduler and the workers all publish and consume through these helpers, so topic names,
+keys and client settings are decided in one place. Messages are keyed by request id, which puts every
+message about one request (its submission, its result) in one partition, in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer
+from kafka.consumer.fetcher import ConsumerRecord
+from kafka.structs import TopicPartition
+
+from producer.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+
+def client_config(settings: KafkaSettings) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka_bootstrap.split(","),
+        "security_protocol": settings.kafka_security_protocol,
+    }
+    if settings.kafka_api_version_tuple is not None:
+        config["api_version"] = settings.kafka_api_version_tuple
+    if settings.kafka_sasl_mechanism:
+        config["sasl_mechanism"] = settings.kafka_sasl_mechanism
+        config["sasl_plain_username"] = settings.kafka_sasl_username
+        if settings.kafka_sasl_password is not None:
+            config["sasl_plain_password"] = settings.kafka_sasl_password.get_secret_value()
+    return config
+
+
+def make_producer(settings: KafkaSettings, **overrides: Any) -> KafkaProducer:
+    # acks=all + retries: a request or result acknowledged to the caller is on the broker.
+    config = {**client_config(settings), "acks": "all", "retries": 5, "linger_ms": 5, **overrides}
+    return KafkaProducer(**config)
+
+
+def make_consumer(
+    settings: KafkaSettings,
+    topics: Iterable[str],
+    *,
+    group_id: str | None,
+    auto_offset_reset: str = "earliest",
+    **overrides: Any,
+) -> KafkaConsumer:
+    # Offsets are committed by the caller once the work a message asked for is durable.
+    config = {
+        **client_config(settings),
+        "group_id": group_id,
+        "auto_offset_reset": auto_offset_reset,
+        "enable_auto_commit": False,
+        **overrides,
+    }
+    return KafkaConsumer(*topics, **config)
+
+
+def message_key(request_id: str) -> bytes:
+    return request_id.encode()
+
+
+def publish(producer: KafkaProducer, topic: str, key: str, value: bytes, *, timeout_s: float = 30.0) -> None:
+    """Publish one message and wait until the broker has it."""
+    metadata = producer.send(topic, key=message_key(key), value=value).get(timeout=timeout_s)
+    log.debug("published", extra={"topic": topic, "partition": metadata.partition, "offset": metadata.offset})
+
+
+def consumer_lag(consumer: KafkaConsumer) -> dict[TopicPartition, int]:
+    """Messages not yet consumed, per assigned partition (end offset minus position)."""
+    assigned = consumer.assignment()
+    if not assigned:
+        return {}
+    ends = consumer.end_offsets(list(assigned))
+    return {tp: max(0, ends[tp] - consumer.position(tp)) for tp in assigned}
+
+
+def poll_records(
+    consumer: KafkaConsumer, *, timeout_s: float, poll_ms: int = 500
+) -> Iterator[ConsumerRecord]:
+    """Yield records as they arrive until ``timeout_s`` passes; the caller stops early by breaking.
+
+    A plain iterator with ``consumer_timeout_ms`` gives up while a group is still joining (which takes
+    seconds); polling against a deadline does not.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batches = consumer.poll(timeout_ms=poll_ms)
+        for records in batches.values():
+            yield from records

@@ -1,0 +1,60 @@
+"""Structured logging for every Chorus process.
+
+Code logs with the standard library and passes facts as ``extra={...}``; this module renders them either
+for a terminal (rich) or as one JSON object per line (``CHORUS_LOG_FORMAT=json``) for log pipelines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=`` and is structured data.
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        payload: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+            **record_fields(record),
+        }
+        if record.exc_info:
+            payload["exc"] = self.formatException(record.exc_info)
+        return json.dumps(payload, default=str)
+
+
+class ConsoleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = " ".join(f"{k}={v}" for k, v in record_fields(record).items())
+        text = f"{record.name}: {record.getMessage()}" + (f"  {fields}" if fields else "")
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
+    handler: logging.Handler
+    if fmt == "json":
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter())
+    else:
+        from rich.logging import RichHandler
+
+        handler = RichHandler(show_path=False, rich_tracebacks=True, markup=False)
+        handler.setFormatter(ConsoleFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # Client libraries are chatty at INFO; their warnings still come through.
+    for noisy in ("kafka", "urllib3", "botocore", "httpx", "celery.redirected"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from chorus_sched.settings import SchedulerSettings
+from producer.cli import app
+from producer.settings import ProducerSettings
+from workers.settings import WorkerSettings
+
+
+def test_settings_come_from_the_chorus_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHORUS_KAFKA_BOOTSTRAP", "kafka:9092")
+    monkeypatch.setenv("CHORUS_KAFKA_API_VERSION", "2.1.0")
+    monkeypatch.setenv("CHORUS_S3_SECRET_KEY", "s3cr3t")
+    monkeypatch.setenv("CHORUS_STATE_DIR", "/tmp/chorus-state")
+    worker = WorkerSettings()
+    assert worker.kafka_bootstrap == "kafka:9092" and worker.kafka_api_version_tuple == (2, 1, 0)
+    assert worker.s3_secret_key is not None and worker.s3_secret_key.get_secret_value() == "s3cr3t"
+    assert "s3cr3t" not in repr(worker)
+    assert SchedulerSettings().state_dir == Path("/tmp/chorus-state")
+
+
+def test_defaults_need_no_environment_and_carry_no_credentials() -> None:
+    worker = WorkerSettings()
+    assert worker.s3_access_key is None and worker.s3_secret_key is None
+    assert ProducerSettings().kafka_api_version_tuple is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "field"),
+    [
+        ("CHORUS_KAFKA_API_VERSION", "latest", "kafka_api_version"),
+        ("CHORUS_METRICS_PORT", "70000", "metrics_port"),
+        ("CHORUS_LOG_LEVEL", "LOUD", "log_level"),
+        ("CHORUS_DTYPE", "int8", "dtype"),
+    ],
+)
+def test_bad_settings_name_the_field(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, field: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError) as excinfo:
+        WorkerSettings()
+    assert field in str(excinfo.value)
+
+
+def test_cli_lists_every_command() -> None:
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    help_text = result.output
+    for command in ("demo", "produce", "scheduler", "worker", "generate", "bench", "train-toy"):
+        assert command in help_text
+
+
+def test_cli_help_does_not_import_torch() -> None:
+    code = "import sys, producer.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
