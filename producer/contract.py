@@ -213,6 +213,9 @@ class GenerationResult(_Wire):
     status: ResultStatus
     error: ErrorInfo | None = None
     video_uri: str | None = None
+    # Where this request's own trajectory was stored, so it can serve as a donor; None if it was not stored.
+    trajectory_uri: str | None = None
+    trajectory_bytes: int = Field(default=0, ge=0)
     donor: DonorInfo | None = None
     plan: ReusePlan | None = None
     steps_computed: int = Field(default=0, ge=0)

@@ -1,0 +1,64 @@
+"""What the scheduler asks a worker to do, and where workers put what they produce.
+
+A ``WorkOrder`` is the Celery task's only argument (as JSON): the validated request, the reuse plan, the
+donor to reuse (if any) and the request's role in a group. The object layout below is shared by the workers
+(who write it) and the scheduler (who records it in the donor index and evicts it).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+
+from producer.contract import GenerationRequest, ReusePlan
+
+GENERATE_TASK = "chorus.generate"
+
+
+def queue_for(model: str) -> str:
+    """One Celery queue per model, so a pool of workers loads exactly one model."""
+    return f"chorus.{model}"
+
+
+def trajectory_prefix(request_id: str) -> str:
+    return f"trajectories/{request_id}/"
+
+
+def trajectory_header_key(request_id: str) -> str:
+    return f"{trajectory_prefix(request_id)}header.json"
+
+
+def trajectory_step_key(request_id: str, step: int) -> str:
+    return f"{trajectory_prefix(request_id)}step-{step:04d}.safetensors"
+
+
+def video_key(request_id: str, fmt: str) -> str:
+    return f"videos/{request_id}.{fmt}"
+
+
+class Role(StrEnum):
+    SOLO = "solo"
+    LEADER = "leader"  # others may follow it: upload each step as soon as it is done
+    FOLLOWER = "follower"  # its donor is a leader still running: wait for each step, up to a deadline
+
+
+class DonorRef(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    similarity: float = Field(ge=-1.0, le=1.0)
+    trajectory_prefix: str
+    # For a follower: seconds to wait for each step the leader has not uploaded yet before running it in full.
+    wait_s: float = Field(default=0.0, ge=0.0)
+
+
+class WorkOrder(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    request: GenerationRequest
+    plan: ReusePlan
+    donor: DonorRef | None = None
+    role: Role = Role.SOLO
+    accepted_at: AwareDatetime = Field(default_factory=lambda: datetime.now(UTC))
