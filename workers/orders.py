@@ -62,3 +62,20 @@ class WorkOrder(BaseModel):
     donor: DonorRef | None = None
     role: Role = Role.SOLO
     accepted_at: AwareDatetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+EVICT_TASK = "chorus.evict"
+# Workers of every model pool also consume this queue: deleting evicted donors' objects is a worker's job
+# because workers own the object store; the scheduler only decides what to evict.
+MAINTENANCE_QUEUE = "chorus.maintenance"
+
+
+class EvictOrder(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    request_ids: list[str]
+    reason: str = "evicted"
+
+    @property
+    def prefixes(self) -> list[str]:
+        return [trajectory_prefix(r) for r in self.request_ids]
