@@ -156,6 +156,10 @@ class ReusePlan(_Wire):
     min_active_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
     max_active_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
     tgaa_in_stage3: bool = False
+    # Stage-2 mask shaping: dilation radius in latent tokens, and coarse-to-fine levels (the first Stage-2 step
+    # pools the attention score over 2**(levels-1) × 2**(levels-1) token blocks, each later step halves that).
+    mask_dilation: int = Field(default=1, ge=0, le=16)
+    mask_levels: int = Field(default=3, ge=1, le=6)
 
     @model_validator(mode="after")
     def _ordered_fractions(self) -> Self:

@@ -47,3 +47,5 @@ class ModelBundle:
     weights_id: str
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
+    # Frames per second of the videos this model makes (for encoding only).
+    fps: int = 8
