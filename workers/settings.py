@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Self
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode
 
+from producer.catalog import CATALOG
 from producer.settings import KafkaSettings
 
 
@@ -28,3 +30,54 @@ class WorkerSettings(KafkaSettings):
     # Overrides the committed toy weights (a directory with config.json and model.safetensors).
     toy_weights_dir: Path | None = None
     video_format: Literal["mp4", "gif"] = "mp4"
+
+    # --- Celery worker -------------------------------------------------------------------------------
+    # Models whose queues this worker consumes (comma-separated in CHORUS_WORKER_MODELS); empty: every model
+    # in the catalog. A worker process loads each model it serves once, on its first order for it.
+    worker_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Prefork pool size; the autoscale bounds are what `chorus worker --autoscale` uses by default.
+    worker_concurrency: int = Field(default=1, ge=1, le=256)
+    worker_autoscale_min: int = Field(default=1, ge=0, le=256)
+    worker_autoscale_max: int = Field(default=2, ge=1, le=256)
+    # Per-task time limits: past the soft limit the task publishes a `failed` result; past the hard limit the
+    # pool kills the process (and Celery records the task as failed, without a redelivery).
+    task_soft_time_limit_s: float = Field(default=900.0, gt=0)
+    task_time_limit_s: float = Field(default=960.0, gt=0)
+    # Deliveries of one order (worker lost, broker redelivery) after which it is answered `failed` rather
+    # than run again, so a request that kills its worker cannot loop forever.
+    task_max_attempts: int = Field(default=3, ge=1, le=100)
+    # Retries of a task whose result could not be published to Kafka (the whole order runs again).
+    result_publish_retries: int = Field(default=2, ge=0, le=20)
+
+    # --- Trajectories ---------------------------------------------------------------------------------
+    # How trajectories are stored in S3: float16 halves the bytes; decoding always yields float32.
+    trajectory_dtype: Literal["float32", "float16"] = "float32"
+    # How often a follower polls S3 for a step its leader has not uploaded yet.
+    follower_poll_s: float = Field(default=0.2, gt=0, le=60)
+
+    @field_validator("worker_models", mode="before")
+    @classmethod
+    def _split_models(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+    @field_validator("worker_models")
+    @classmethod
+    def _known_models(cls, value: list[str]) -> list[str]:
+        unknown = [m for m in value if m not in CATALOG]
+        if unknown:
+            raise ValueError(f"unknown model(s) {unknown}; known: {sorted(CATALOG)}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent_limits(self) -> Self:
+        if self.task_time_limit_s <= self.task_soft_time_limit_s:
+            raise ValueError("task_time_limit_s must exceed task_soft_time_limit_s")
+        if self.worker_autoscale_min > self.worker_autoscale_max:
+            raise ValueError("worker_autoscale_min must not exceed worker_autoscale_max")
+        return self
+
+    @property
+    def served_models(self) -> list[str]:
+        return list(self.worker_models) or sorted(CATALOG)

@@ -16,6 +16,7 @@ from datetime import timedelta
 from minio import Minio
 from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
+from urllib3.exceptions import HTTPError as TransportError
 
 from workers.settings import WorkerSettings
 
@@ -94,7 +95,7 @@ class ObjectStore:
                 content_type=content_type,
                 metadata={"sha256": hashlib.sha256(data).hexdigest()},
             )
-        except S3Error as exc:
+        except (S3Error, TransportError) as exc:
             raise StoreError(f"cannot write {self.uri(key)}: {exc}") from exc
         return StoredObject(key=key, size=len(data), uri=self.uri(key))
 
@@ -105,11 +106,40 @@ class ObjectStore:
             if exc.code in ("NoSuchKey", "NoSuchBucket"):
                 raise ObjectMissing(self.uri(key)) from exc
             raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
+        except TransportError as exc:
+            raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
         try:
             return response.read()
+        except TransportError as exc:
+            raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
         finally:
             response.close()
             response.release_conn()
+
+    def get_verified(self, key: str) -> bytes:
+        """Like ``get``, and checks the sha256 that ``put`` stored with the object (``StoreError`` if it differs).
+
+        Objects written by other clients carry no checksum and are returned as they are.
+        """
+        try:
+            response = self.client.get_object(self.bucket, key)
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchBucket"):
+                raise ObjectMissing(self.uri(key)) from exc
+            raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
+        except TransportError as exc:
+            raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
+        try:
+            data = response.read()
+            claimed = response.headers.get("x-amz-meta-sha256")
+        except TransportError as exc:
+            raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
+        finally:
+            response.close()
+            response.release_conn()
+        if claimed is not None and hashlib.sha256(data).hexdigest() != claimed:
+            raise StoreError(f"{self.uri(key)} does not match its stored sha256")
+        return data
 
     def exists(self, key: str) -> bool:
         try:
@@ -117,6 +147,8 @@ class ObjectStore:
         except S3Error as exc:
             if exc.code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
                 return False
+            raise StoreError(f"cannot stat {self.uri(key)}: {exc}") from exc
+        except TransportError as exc:
             raise StoreError(f"cannot stat {self.uri(key)}: {exc}") from exc
         return True
 
@@ -127,11 +159,32 @@ class ObjectStore:
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under ``prefix``; returns how many were deleted."""
-        keys = [o.key for o in self.list(prefix)]
-        errors = list(self.client.remove_objects(self.bucket, (DeleteObject(k) for k in keys)))
+        try:
+            keys = [o.key for o in self.list(prefix)]
+            errors = list(self.client.remove_objects(self.bucket, (DeleteObject(k) for k in keys)))
+        except S3Error as exc:
+            if exc.code == "NoSuchBucket":
+                return 0
+            raise StoreError(f"cannot delete under {self.uri(prefix)}: {exc}") from exc
+        except TransportError as exc:
+            raise StoreError(f"cannot delete under {self.uri(prefix)}: {exc}") from exc
         if errors:
             raise StoreError(f"could not delete {len(errors)} objects under {prefix!r}: {errors[0]}")
         return len(keys)
 
     def presigned_get(self, key: str, expires: timedelta = timedelta(hours=1)) -> str:
         return self.client.presigned_get_object(self.bucket, key, expires=expires)
+
+
+_STORES: dict[tuple[str, str, bool], ObjectStore] = {}
+
+
+def store_for(settings: WorkerSettings) -> ObjectStore:
+    """One store per process and endpoint/bucket, with the bucket created on first use."""
+    key = (settings.s3_endpoint, settings.s3_bucket, settings.s3_secure)
+    store = _STORES.get(key)
+    if store is None:
+        store = ObjectStore.from_settings(settings)
+        store.ensure_bucket()
+        _STORES[key] = store
+    return store

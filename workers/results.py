@@ -1,0 +1,204 @@
+"""Assembling a worker's ``GenerationResult`` and publishing it to the results topic.
+
+Torch-free on purpose: the Celery tasks import it at module level, and its assembly rules are unit-tested
+without a model. Every result carries the request's id and tenant, the planned donor and plan (``fallback``
+says when the donor was not used after all), what was actually computed and the seconds of each phase.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+
+from producer import bus
+from producer.contract import (
+    DonorInfo,
+    ErrorInfo,
+    GenerationResult,
+    PhaseTimings,
+    ResultStatus,
+)
+from producer.settings import KafkaSettings
+from workers.orders import WorkOrder
+
+log = logging.getLogger(__name__)
+
+
+class ResultNotPublished(RuntimeError):
+    """The results topic did not take the result; the task is retried (a bounded number of times)."""
+
+
+class FailureCode:
+    """Error codes of ``failed`` results (``GenerationResult.error.code``)."""
+
+    INVALID_ORDER = "invalid_order"
+    MODEL_UNAVAILABLE = "model_unavailable"
+    ENGINE_ERROR = "engine_error"
+    VIDEO_ERROR = "video_error"
+    STORE_ERROR = "store_error"
+    TIME_LIMIT = "time_limit"
+    TOO_MANY_ATTEMPTS = "too_many_attempts"
+    INTERNAL = "internal_error"
+
+
+class PhaseClock:
+    """Seconds per phase of one request; ``with clock.phase("fetch"): …`` adds to that phase."""
+
+    PHASES = ("fetch", "denoise", "decode", "upload")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name not in self.seconds:
+            raise KeyError(f"unknown phase {name!r}")
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def add(self, name: str, seconds: float) -> None:
+        if name not in self.seconds:
+            raise KeyError(f"unknown phase {name!r}")
+        self.seconds[name] += max(0.0, seconds)
+
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        """Re-attribute ``seconds`` measured under ``src`` to ``dst`` (never below zero)."""
+        moved = min(max(0.0, seconds), self.seconds[src])
+        self.seconds[src] -= moved
+        self.seconds[dst] += moved
+
+    def timings(self, queue_s: float) -> PhaseTimings:
+        return PhaseTimings(
+            queue_s=max(0.0, queue_s),
+            fetch_s=self.seconds["fetch"],
+            denoise_s=self.seconds["denoise"],
+            decode_s=self.seconds["decode"],
+            upload_s=self.seconds["upload"],
+        )
+
+
+def queue_seconds(accepted_at: datetime, started_at: datetime | None = None) -> float:
+    """Seconds between the scheduler accepting a request and a worker starting it (0 if clocks disagree)."""
+    started_at = started_at or datetime.now(UTC)
+    return max(0.0, (started_at - accepted_at).total_seconds())
+
+
+def done_result(
+    order: WorkOrder,
+    *,
+    video_uri: str,
+    trajectory_uri: str | None,
+    trajectory_bytes: int,
+    steps_computed: int,
+    tokens_computed_fraction: float,
+    fallback: str | None,
+    timings: PhaseTimings,
+    worker: str | None,
+) -> GenerationResult:
+    request = order.request
+    return GenerationResult(
+        request_id=request.request_id,
+        tenant=request.tenant,
+        status=ResultStatus.DONE,
+        video_uri=video_uri,
+        trajectory_uri=trajectory_uri,
+        trajectory_bytes=trajectory_bytes if trajectory_uri else 0,
+        donor=_donor_info(order),
+        plan=order.plan,
+        steps_computed=steps_computed,
+        steps_requested=request.num_steps,
+        tokens_computed_fraction=min(1.0, max(0.0, tokens_computed_fraction)),
+        fallback=fallback,
+        timings=timings,
+        worker=worker,
+    )
+
+
+def failed_result(
+    request_id: str,
+    code: str,
+    message: str,
+    *,
+    order: WorkOrder | None = None,
+    tenant: str = "default",
+    timings: PhaseTimings | None = None,
+    worker: str | None = None,
+) -> GenerationResult:
+    request = order.request if order is not None else None
+    return GenerationResult(
+        request_id=request_id,
+        tenant=request.tenant if request is not None else tenant,
+        status=ResultStatus.FAILED,
+        error=ErrorInfo(code=code, message=message[:2000]),
+        donor=_donor_info(order) if order is not None else None,
+        plan=order.plan if order is not None else None,
+        steps_requested=request.num_steps if request is not None else 0,
+        timings=timings or PhaseTimings(),
+        worker=worker,
+    )
+
+
+def _donor_info(order: WorkOrder) -> DonorInfo | None:
+    if order.donor is None:
+        return None
+    return DonorInfo(request_id=order.donor.request_id, similarity=order.donor.similarity)
+
+
+def salvage_ids(raw: str | bytes) -> tuple[str | None, str]:
+    """(request id, tenant) of an order that failed validation, if its JSON still names them."""
+    try:
+        request = json.loads(raw)["request"]
+        request_id = request.get("request_id")
+        tenant = request.get("tenant", "default")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None, "default"
+    ok = isinstance(request_id, str) and 0 < len(request_id) <= 128
+    return (request_id if ok else None), (tenant if isinstance(tenant, str) else "default")
+
+
+class ResultPublisher:
+    """Publishes results keyed by request id; one Kafka producer per process, created on first use."""
+
+    def __init__(self, settings: KafkaSettings, *, timeout_s: float = 30.0) -> None:
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self._producer: KafkaProducer | None = None
+
+    def publish(self, result: GenerationResult) -> None:
+        try:
+            if self._producer is None:
+                self._producer = bus.make_producer(self.settings)
+            bus.publish(
+                self._producer,
+                self.settings.kafka_results_topic,
+                result.request_id,
+                result.to_bytes(),
+                timeout_s=self.timeout_s,
+            )
+        except KafkaError as exc:
+            raise ResultNotPublished(
+                f"result of {result.request_id} not published to {self.settings.kafka_results_topic}: {exc!r}"
+            ) from exc
+        log.info(
+            "result published",
+            extra={
+                "request_id": result.request_id,
+                "status": str(result.status),
+                "topic": self.settings.kafka_results_topic,
+            },
+        )
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close(timeout=5)
+            self._producer = None

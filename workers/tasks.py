@@ -1,0 +1,111 @@
+"""The Celery tasks: thin wrappers that parse their one JSON argument and hand over.
+
+- ``chorus.generate(order_json)`` → ``workers.runner`` (imported on first call: it brings torch and the engine,
+  which a pure client of the app never needs).
+- ``chorus.evict(order_json)`` → deletes the S3 objects under each evicted donor's trajectory prefix.
+
+Neither task lets an exception escape for bad input or a failed generation: the generate task publishes a
+``failed`` result instead, so Celery never retries a request forever. Only a result that could not be published
+(``ResultNotPublished``) and an eviction the store refused (``StoreError``) are retried, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, Task
+from pydantic import ValidationError
+
+from workers.orders import EVICT_TASK, GENERATE_TASK, EvictOrder
+from workers.results import ResultNotPublished
+from workers.store import StoreError, store_for
+
+log = logging.getLogger(__name__)
+
+_ATTEMPTS_KEY = "chorus-attempts-{}"
+
+
+def register(app: Celery) -> None:
+    """Register both tasks on ``app`` (each app gets its own task classes)."""
+    from workers.app import settings_of
+
+    settings = settings_of(app)
+    app.task(
+        name=GENERATE_TASK,
+        bind=True,
+        autoretry_for=(ResultNotPublished,),
+        max_retries=settings.result_publish_retries,
+        retry_backoff=2,
+        retry_jitter=False,
+    )(generate)
+    app.task(
+        name=EVICT_TASK,
+        bind=True,
+        autoretry_for=(StoreError,),
+        max_retries=3,
+        retry_backoff=2,
+        retry_jitter=False,
+    )(evict)
+
+
+def generate(self: Task, order_json: str) -> dict[str, Any]:
+    """Run one ``WorkOrder``; publishes its ``GenerationResult`` and returns a short summary."""
+    from workers.app import settings_of
+    from workers.runner import runner_for
+
+    settings = settings_of(self.app)
+    attempt = count_attempt(self)
+    result = runner_for(settings).handle(order_json, worker=self.request.hostname, attempt=attempt)
+    return {
+        "request_id": result.request_id,
+        "status": str(result.status),
+        "video_uri": result.video_uri,
+        "trajectory_uri": result.trajectory_uri,
+        "fallback": result.fallback,
+        "error": result.error.code if result.error else None,
+        "attempt": attempt,
+    }
+
+
+def evict(self: Task, order_json: str) -> dict[str, Any]:
+    """Delete every object under the trajectory prefix of each evicted donor (idempotent)."""
+    from workers.app import settings_of
+
+    try:
+        order = EvictOrder.model_validate_json(order_json)
+    except ValidationError as exc:
+        log.error("evict order rejected", extra={"error": str(exc).splitlines()[0], "raw": order_json[:500]})
+        return {"error": "invalid_order", "deleted": {}}
+    store = store_for(settings_of(self.app))
+    deleted = {
+        rid: store.delete_prefix(prefix)
+        for rid, prefix in zip(order.request_ids, order.prefixes, strict=True)
+    }
+    log.info(
+        "evicted donor objects",
+        extra={"reason": order.reason, "request_ids": order.request_ids, "objects": sum(deleted.values())},
+    )
+    return {"deleted": deleted}
+
+
+def count_attempt(task: Task) -> int:
+    """Count this delivery of the task in the result backend (1 for the first); 1 when it keeps no keys.
+
+    A delivery is counted before any work, so an order whose worker is killed (and that the broker therefore
+    delivers again) is recognised on its ``task_max_attempts``-th delivery and answered ``failed``.
+    """
+    backend = task.backend
+    get = getattr(backend, "get", None)
+    put = getattr(backend, "set", None)
+    if not callable(get) or not callable(put):
+        return 1
+    key = _ATTEMPTS_KEY.format(task.request.id)
+    try:
+        raw = get(key)
+        attempt = int(raw or 0) + 1
+        put(key, str(attempt).encode())
+    except Exception as exc:  # counting is best-effort; the order still runs
+        log.warning("could not count task attempt", extra={"task_id": task.request.id, "error": repr(exc)})
+        return 1
+    return attempt
