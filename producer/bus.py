@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
@@ -93,3 +93,62 @@ def poll_records(
         batches = consumer.poll(timeout_ms=poll_ms)
         for records in batches.values():
             yield from records
+
+
+def publish_many(
+    producer: KafkaProducer,
+    topic: str,
+    items: Iterable[tuple[str, bytes]],
+    *,
+    timeout_s: float = 30.0,
+    on_sent: Callable[[str], None] | None = None,
+) -> int:
+    """Publish ``(key, value)`` pairs without waiting on each, then wait until the broker has every one.
+
+    ``on_sent(key)`` is called for each message the broker acknowledged, in order. Raises the first send
+    error (a ``KafkaError``); messages before it are on the broker.
+    """
+    futures = [(key, producer.send(topic, key=message_key(key), value=value)) for key, value in items]
+    for key, future in futures:
+        future.get(timeout=timeout_s)
+        if on_sent is not None:
+            on_sent(key)
+    return len(futures)
+
+
+def tail_consumer(settings: KafkaSettings, topic: str, **overrides: Any) -> KafkaConsumer:
+    """A consumer outside any consumer group that reads ``topic`` from *now* on.
+
+    Every partition that exists is assigned at its current end offset before this returns, so a message
+    published after the call is never missed; ``follow_new_partitions`` picks up partitions (or the whole
+    topic) created later, from their beginning.
+    """
+    config = {
+        **client_config(settings),
+        "group_id": None,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        **overrides,
+    }
+    consumer = KafkaConsumer(**config)
+    follow_new_partitions(consumer, topic, from_end=True)
+    return consumer
+
+
+def follow_new_partitions(consumer: KafkaConsumer, topic: str, *, from_end: bool = False) -> int:
+    """Assign the partitions of ``topic`` that the consumer does not read yet; returns how many were added.
+
+    New partitions start at their end offset when ``from_end`` (the initial assignment), else at their
+    beginning (they appeared after the caller started listening, so everything in them is new).
+    """
+    known = consumer.assignment()
+    found = {TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)}
+    new = sorted(found - known)
+    if not new:
+        return 0
+    consumer.assign(sorted(known | set(new)))
+    offsets = consumer.end_offsets(new) if from_end else consumer.beginning_offsets(new)
+    for tp in new:
+        consumer.seek(tp, offsets[tp])
+    log.debug("following partitions", extra={"topic": topic, "partitions": [tp.partition for tp in new]})
+    return len(new)

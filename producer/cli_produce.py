@@ -1,10 +1,250 @@
-"""CLI commands of this package."""
+"""``chorus produce``: publish one request or a JSONL batch, optionally wait for the results.
+
+Validation comes first and is all-or-nothing: if any line of ``--file`` breaks the contract, every bad line is
+reported (``line N: field: message [rule]``) and nothing is sent (exit 2), unless ``--skip-invalid`` is given, in
+which case the valid lines go out and the bad ones are still reported. Field options (``--model``, ``--num-steps``
+…) set one request's fields with ``--prompt``, and act as defaults for fields a ``--file`` line leaves out.
+
+Exit codes: 0 everything sent (and, with ``--wait``, every result arrived with status ``done``); 1 a result
+failed or did not arrive in time, or the broker refused a request; 2 invalid input (nothing sent).
+"""
 
 from __future__ import annotations
 
-from producer.unbuilt import not_built
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from producer.contract import ContractError, GenerationRequest, GenerationResult, ResultStatus, ReusePolicy
+
+# Progress bars for batches at least this large.
+_PROGRESS_MIN = 20
 
 
-def produce() -> None:
-    """Not built yet."""
-    not_built("produce", "[serving]")
+def produce(
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="Prompt of one request."),
+    file: Path | None = typer.Option(
+        None, "--file", "-f", help="JSONL file of requests, one JSON object per line ('-' for stdin)."
+    ),
+    request_id: str | None = typer.Option(None, help="Request id (default: a new UUID). Not with --file."),
+    tenant: str | None = typer.Option(None, help="Tenant (default 'default')."),
+    negative_prompt: str | None = typer.Option(None, help="Negative prompt."),
+    model: str | None = typer.Option(None, help="Model name from the catalog (default 'toy')."),
+    num_frames: int | None = typer.Option(None, help="Frames (default: the model's)."),
+    height: int | None = typer.Option(None, help="Height in pixels (default: the model's)."),
+    width: int | None = typer.Option(None, help="Width in pixels (default: the model's)."),
+    num_steps: int | None = typer.Option(None, help="Denoising steps (default: the model's)."),
+    seed: int | None = typer.Option(None, help="Noise seed (default 0)."),
+    guidance_scale: float | None = typer.Option(
+        None, help="Classifier-free guidance scale (default: the model's)."
+    ),
+    reuse: ReusePolicy | None = typer.Option(None, help="Reuse policy: auto or off (default auto)."),
+    priority: int | None = typer.Option(None, help="Priority 0..9 (default 0)."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the results topic until every result arrived."),
+    timeout: float | None = typer.Option(
+        None, help="Seconds to wait for results with --wait (default CHORUS_RESULT_TIMEOUT_S)."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON document (for scripts) instead of tables."
+    ),
+    skip_invalid: bool = typer.Option(
+        False, help="With --file: send the valid lines even if some are invalid."
+    ),
+    bootstrap: str | None = typer.Option(
+        None, help="Kafka bootstrap servers (default CHORUS_KAFKA_BOOTSTRAP)."
+    ),
+) -> None:
+    """Publish generation requests to the requests topic (and with --wait, print their results)."""
+    from producer.logs import configure_logging
+    from producer.sdk import BatchInvalid, ChorusClient, PublishError, parse_jsonl, request_from_options
+    from producer.settings import ProducerSettings
+
+    out = Console()
+    err = Console(stderr=True)
+    overrides: dict[str, Any] = {"kafka_bootstrap": bootstrap} if bootstrap else {}
+    settings = ProducerSettings(**overrides)
+    configure_logging("WARNING", settings.log_format)
+
+    if (prompt is None) == (file is None):
+        _fail(err, "give exactly one of --prompt or --file")
+    fields: dict[str, Any] = {
+        "tenant": tenant,
+        "negative_prompt": negative_prompt,
+        "model": model,
+        "num_frames": num_frames,
+        "height": height,
+        "width": width,
+        "num_steps": num_steps,
+        "seed": seed,
+        "guidance_scale": guidance_scale,
+        "reuse": reuse.value if reuse is not None else None,
+        "priority": priority,
+    }
+    invalid: list[str] = []
+    if prompt is not None:
+        try:
+            requests = [request_from_options(prompt=prompt, request_id=request_id, **fields)]
+        except ContractError as exc:
+            _fail(err, "invalid request:\n" + "\n".join(f"  {i}" for i in exc.issues))
+    else:
+        assert file is not None
+        if request_id is not None:
+            _fail(err, "--request-id names one request; put ids in the file's lines instead")
+        batch = parse_jsonl(
+            _read_lines(file, err), defaults={k: v for k, v in fields.items() if v is not None}
+        )
+        invalid = [str(e) for e in batch.errors]
+        if batch.errors and not skip_invalid:
+            _fail(err, str(BatchInvalid(batch.errors)), as_json=as_json, out=out, invalid=invalid)
+        for line in invalid:
+            err.print(f"[yellow]skipped[/] {escape(line)}")
+        requests = [r for _, r in batch.requests]
+        if not requests:
+            _fail(err, "no valid request to send", as_json=as_json, out=out, invalid=invalid)
+
+    results: dict[str, GenerationResult] = {}
+    with ChorusClient(settings) as client:
+        watcher = client.watch_results() if wait else None
+        try:
+            try:
+                sent = _send(client, requests, err, quiet=as_json)
+            except PublishError as exc:
+                _fail(err, str(exc), code=1)
+            if not as_json:
+                for r in requests:
+                    out.print(
+                        f"sent [bold]{escape(r.request_id)}[/] → {escape(settings.kafka_requests_topic)}"
+                    )
+            if watcher is not None:
+                limit = timeout if timeout is not None else settings.result_timeout_s
+                results = _collect(watcher, sent, limit, err, quiet=as_json)
+        finally:
+            if watcher is not None:
+                watcher.close()
+
+    missing = [rid for rid in sent if rid not in results] if wait else []
+    if as_json:
+        doc = {
+            "topic": settings.kafka_requests_topic,
+            "sent": sent,
+            "invalid": invalid,
+            "results": [results[rid].model_dump(mode="json") for rid in sent if rid in results],
+            "missing": missing,
+        }
+        _print_json(doc)
+    elif wait:
+        out.print(_table(requests, results))
+        if missing:
+            err.print(
+                f"[red]no result within the timeout for {len(missing)} request(s)[/]: {', '.join(missing)}"
+            )
+    failed = any(r.status is not ResultStatus.DONE for r in results.values())
+    if missing or failed:
+        raise typer.Exit(code=1)
+
+
+def _read_lines(file: Path, err: Console) -> list[str]:
+    try:
+        text = sys.stdin.read() if str(file) == "-" else file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(err, f"cannot read {file}: {exc}")
+    return text.splitlines()
+
+
+def _send(client: Any, requests: list[GenerationRequest], err: Console, *, quiet: bool) -> list[str]:
+    if len(requests) < _PROGRESS_MIN:
+        ids: list[str] = client.submit_many(requests)
+        return ids
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(
+        TextColumn("sending"), BarColumn(), MofNCompleteColumn(), console=err, transient=True, disable=quiet
+    ) as bar:
+        task = bar.add_task("send", total=len(requests))
+        ids = client.submit_many(requests, on_sent=lambda _key: bar.advance(task))
+    return ids
+
+
+def _collect(
+    watcher: Any, ids: list[str], timeout_s: float, err: Console, *, quiet: bool
+) -> dict[str, GenerationResult]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results: dict[str, GenerationResult] = {}
+    with Progress(
+        TextColumn("waiting for results"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=quiet,
+    ) as bar:
+        task = bar.add_task("wait", total=len(ids))
+        for result in watcher.wait(ids, timeout_s=timeout_s):
+            results[result.request_id] = result
+            bar.advance(task)
+    return results
+
+
+def _table(requests: list[GenerationRequest], results: dict[str, GenerationResult]) -> Table:
+    table = Table(title="results")
+    for column in (
+        "request",
+        "status",
+        "donor (sim)",
+        "steps",
+        "tokens",
+        "fallback / error",
+        "video",
+        "seconds",
+    ):
+        table.add_column(column, overflow="fold")
+    for request in requests:
+        r = results.get(request.request_id)
+        if r is None:
+            table.add_row(escape(request.request_id), "[red]no result[/]", "", "", "", "", "", "")
+            continue
+        status = "[green]done[/]" if r.status is ResultStatus.DONE else f"[red]{r.status}[/]"
+        donor = f"{r.donor.request_id} ({r.donor.similarity:.2f})" if r.donor else "-"
+        note = f"{r.error.code}: {r.error.message}" if r.error else (r.fallback or "")
+        t = r.timings
+        total = t.queue_s + t.fetch_s + t.denoise_s + t.decode_s + t.upload_s
+        table.add_row(
+            escape(r.request_id),
+            status,
+            escape(donor),
+            f"{r.steps_computed}/{r.steps_requested}",
+            f"{r.tokens_computed_fraction:.2f}",
+            escape(note[:200]),
+            escape(r.video_uri or "-"),
+            f"{total:.2f}",
+        )
+    return table
+
+
+def _print_json(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
+def _fail(
+    err: Console,
+    message: str,
+    *,
+    code: int = 2,
+    as_json: bool = False,
+    out: Console | None = None,
+    invalid: list[str] | None = None,
+) -> NoReturn:
+    if as_json and out is not None:
+        _print_json({"error": message, "invalid": invalid or [], "sent": []})
+    else:
+        err.print(f"[bold red]error:[/] {escape(message)}")
+    raise typer.Exit(code=code)

@@ -1,10 +1,101 @@
-"""CLI commands of this package."""
+"""``chorus worker``: a Celery worker (prefork) for the queues of the models it serves, plus maintenance."""
 
 from __future__ import annotations
 
-from producer.unbuilt import not_built
+import re
+import socket
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
 
 
-def worker() -> None:
-    """Not built yet."""
-    not_built("worker", "[serving]")
+def worker(
+    model: list[str] | None = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="Model to serve (repeatable). Default: CHORUS_WORKER_MODELS, else every model.",
+    ),
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", "-c", help="Worker processes (default CHORUS_WORKER_CONCURRENCY)."
+    ),
+    autoscale: bool = typer.Option(
+        False,
+        "--autoscale",
+        help="Grow and shrink the pool between the autoscale bounds (CHORUS_WORKER_AUTOSCALE_MIN/MAX).",
+    ),
+    min_processes: int | None = typer.Option(None, help="Lower autoscale bound (default from settings)."),
+    max_processes: int | None = typer.Option(None, help="Upper autoscale bound (default from settings)."),
+    pool: str = typer.Option(
+        "prefork", help="Celery pool: prefork (default) or solo (one process, debugging)."
+    ),
+    hostname: str | None = typer.Option(
+        None, "--hostname", "-n", help="Worker name (default chorus@<host>)."
+    ),
+    maintenance: bool = typer.Option(True, help="Also consume the maintenance queue (evictions)."),
+    preload: bool = typer.Option(
+        False, help="Load the served models when each worker process starts instead of on its first order."
+    ),
+) -> None:
+    """Run a Celery worker that executes generation orders for the given models."""
+    from celery.signals import worker_process_init
+
+    from producer.logs import configure_logging
+    from workers.app import create_app
+    from workers.orders import MAINTENANCE_QUEUE, queue_for
+    from workers.settings import WorkerSettings
+
+    err = Console(stderr=True)
+    overrides: dict[str, Any] = {}
+    if model:
+        overrides["worker_models"] = model
+    if concurrency is not None:
+        overrides["worker_concurrency"] = concurrency
+    if min_processes is not None:
+        overrides["worker_autoscale_min"] = min_processes
+    if max_processes is not None:
+        overrides["worker_autoscale_max"] = max_processes
+    try:
+        settings = WorkerSettings(**overrides)
+    except ValueError as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(code=2) from None
+    if pool not in ("prefork", "solo", "threads"):
+        err.print(f"[bold red]error:[/] unknown pool {pool!r} (prefork, solo or threads)")
+        raise typer.Exit(code=2)
+    configure_logging(settings.log_level, settings.log_format)
+
+    models = settings.served_models
+    queues = [queue_for(m) for m in models] + ([MAINTENANCE_QUEUE] if maintenance else [])
+    app = create_app(settings)
+    name = hostname or f"chorus@{socket.gethostname()}"
+    argv = ["worker", "-Q", ",".join(queues), "-P", pool, "-n", name, "--loglevel", settings.log_level]
+    if autoscale and pool == "prefork":
+        argv += ["--autoscale", f"{settings.worker_autoscale_max},{settings.worker_autoscale_min}"]
+        sizing = f"autoscale {settings.worker_autoscale_min}..{settings.worker_autoscale_max}"
+    else:
+        argv += ["--concurrency", str(settings.worker_concurrency if pool != "solo" else 1)]
+        sizing = f"concurrency {settings.worker_concurrency if pool != 'solo' else 1}"
+    if preload:
+        # Loading can take minutes (Wan2.1); give each new process that long to report that it is up.
+        app.conf.worker_proc_alive_timeout = max(60.0, settings.task_soft_time_limit_s)
+
+        @worker_process_init.connect(weak=False)
+        def _load_models(**_: Any) -> None:
+            from workers.runner import engine_for
+
+            for m in models:
+                engine_for(m, settings)
+
+    Console().print(
+        f"[bold]chorus worker[/] {escape(name)}: models [bold]{escape(', '.join(models))}[/] on "
+        f"[bold]{escape(settings.device)}[/] ({settings.dtype}); queues {escape(', '.join(queues))}; "
+        f"{pool} pool, {sizing}; broker {escape(_redact(app.conf.broker_url))}"
+    )
+    app.worker_main(argv)
+
+
+def _redact(url: str) -> str:
+    return re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", url)

@@ -1,0 +1,311 @@
+"""The producer SDK: validate requests, publish them, follow their results.
+
+    from producer.sdk import ChorusClient, parse_jsonl
+    from producer.contract import build_request
+
+    with ChorusClient() as client:                       # ProducerSettings from CHORUS_* environment
+        watcher = client.watch_results()                 # listen first, so no result can be missed
+        request = build_request(prompt="a red circle moving left", model="toy")
+        client.submit(request)
+        for result in watcher.wait([request.request_id], timeout_s=120):
+            print(result.status, result.video_uri)
+
+Requests are keyed by ``request_id`` (so a request and its result land in the same partition of their topics).
+Everything is validated against the contract before it is sent; ``parse_jsonl`` reports every bad line with its
+number, the field and the rule, and ``ChorusClient.submit_many`` sends a batch only once it has no bad line.
+All Kafka access goes through ``producer.bus``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer
+from kafka.errors import KafkaError
+from pydantic import ValidationError
+
+from producer import bus
+from producer.contract import (
+    ContractError,
+    FieldIssue,
+    GenerationRequest,
+    GenerationResult,
+    build_request,
+    parse_request,
+)
+from producer.settings import KafkaSettings, ProducerSettings
+
+log = logging.getLogger(__name__)
+
+# Poll the results topic for partitions created after we started listening this often.
+_PARTITION_REFRESH_S = 2.0
+
+
+class PublishError(RuntimeError):
+    """The broker did not take a request."""
+
+
+# --- validation ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LineError:
+    """A line of a JSONL batch that is not a valid request."""
+
+    line: int
+    issues: list[FieldIssue]
+
+    def __str__(self) -> str:
+        return f"line {self.line}: " + "; ".join(str(i) for i in self.issues)
+
+
+@dataclass
+class Batch:
+    """A parsed JSONL batch: the valid requests (with their line numbers) and the bad lines."""
+
+    requests: list[tuple[int, GenerationRequest]] = field(default_factory=list)
+    errors: list[LineError] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class BatchInvalid(ValueError):
+    """A batch has bad lines; nothing of it was sent."""
+
+    def __init__(self, errors: list[LineError]) -> None:
+        self.errors = errors
+        shown = "\n".join(str(e) for e in errors[:20])
+        more = f"\n… and {len(errors) - 20} more" if len(errors) > 20 else ""
+        super().__init__(f"{len(errors)} invalid line(s); nothing was sent:\n{shown}{more}")
+
+
+def parse_jsonl(lines: Iterable[str], *, defaults: dict[str, Any] | None = None) -> Batch:
+    """Validate each non-blank line as a request; never raises for bad input.
+
+    ``defaults`` fill fields a line does not set (a line's own values win). A ``request_id`` repeated within
+    the batch is an error on the later line (rule ``duplicate``): one id must name one request.
+    """
+    batch = Batch()
+    seen: dict[str, int] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            request = _parse_line(line, defaults)
+        except ContractError as exc:
+            batch.errors.append(LineError(number, exc.issues))
+            continue
+        first = seen.get(request.request_id)
+        if first is not None:
+            issue = FieldIssue(
+                field="request_id",
+                rule="duplicate",
+                message=f"request_id {request.request_id!r} already used on line {first}",
+            )
+            batch.errors.append(LineError(number, [issue]))
+            continue
+        seen[request.request_id] = number
+        batch.requests.append((number, request))
+    return batch
+
+
+def _parse_line(line: str, defaults: dict[str, Any] | None) -> GenerationRequest:
+    if not defaults:
+        return parse_request(line)
+    try:
+        data = json.loads(line)
+    except (ValueError, RecursionError):
+        return parse_request(line)  # raises ContractError naming the JSON error
+    if not isinstance(data, dict):
+        return parse_request(line)  # raises ContractError: not an object
+    return parse_request(json.dumps({**defaults, **data}))
+
+
+def request_from_options(**fields: Any) -> GenerationRequest:
+    """A request from keyword options; ``None`` means "not given" (the contract's default applies)."""
+    return build_request(**{k: v for k, v in fields.items() if v is not None})
+
+
+# --- the client -----------------------------------------------------------------------------------------------
+
+
+class ChorusClient:
+    """Publishes requests and follows results. Not thread-safe; close it (or use ``with``)."""
+
+    def __init__(self, settings: ProducerSettings | None = None, *, send_timeout_s: float = 30.0) -> None:
+        self.settings = settings or ProducerSettings()
+        self.send_timeout_s = send_timeout_s
+        self._producer: KafkaProducer | None = None
+
+    def __enter__(self) -> ChorusClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def producer(self) -> KafkaProducer:
+        if self._producer is None:
+            self._producer = bus.make_producer(self.settings)
+        return self._producer
+
+    def submit(self, request: GenerationRequest) -> str:
+        """Publish one (already validated) request; returns its id once the broker has it."""
+        try:
+            bus.publish(
+                self.producer,
+                self.settings.kafka_requests_topic,
+                request.request_id,
+                request.to_bytes(),
+                timeout_s=self.send_timeout_s,
+            )
+        except KafkaError as exc:
+            raise PublishError(f"request {request.request_id} not published: {exc!r}") from exc
+        log.info(
+            "request published",
+            extra={"request_id": request.request_id, "topic": self.settings.kafka_requests_topic},
+        )
+        return request.request_id
+
+    def submit_many(
+        self, requests: Iterable[GenerationRequest], *, on_sent: Callable[[str], None] | None = None
+    ) -> list[str]:
+        """Publish validated requests (ids must be unique); returns their ids once the broker has all of them."""
+        items = list(requests)
+        ids = [r.request_id for r in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids in one batch must be unique")
+        try:
+            bus.publish_many(
+                self.producer,
+                self.settings.kafka_requests_topic,
+                ((r.request_id, r.to_bytes()) for r in items),
+                timeout_s=self.send_timeout_s,
+                on_sent=on_sent,
+            )
+        except KafkaError as exc:
+            raise PublishError(f"batch not fully published: {exc!r}") from exc
+        return ids
+
+    def submit_batch(self, batch: Batch, *, on_sent: Callable[[str], None] | None = None) -> list[str]:
+        """Publish a parsed batch; refuses (``BatchInvalid``, nothing sent) if any line was bad."""
+        if not batch.ok:
+            raise BatchInvalid(batch.errors)
+        return self.submit_many((r for _, r in batch.requests), on_sent=on_sent)
+
+    def watch_results(self) -> ResultWatcher:
+        """Start listening to the results topic *now* (call before submitting)."""
+        return ResultWatcher(self.settings)
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.flush(timeout=self.send_timeout_s)
+            self._producer.close(timeout=5)
+            self._producer = None
+
+
+class ResultWatcher:
+    """Follows the results topic from the moment it was created; ``wait`` yields the results asked for."""
+
+    def __init__(self, settings: KafkaSettings) -> None:
+        self.settings = settings
+        self.topic = settings.kafka_results_topic
+        self.consumer: KafkaConsumer = bus.tail_consumer(settings, self.topic)
+        self.skipped = 0  # messages on the topic that were not valid results
+
+    def wait(
+        self,
+        request_ids: Iterable[str],
+        *,
+        timeout_s: float,
+        on_result: Callable[[GenerationResult], None] | None = None,
+    ) -> Iterator[GenerationResult]:
+        """Yield the first result of each id as it arrives, until all arrived or ``timeout_s`` passed."""
+        pending = set(request_ids)
+        deadline = time.monotonic() + timeout_s
+        next_refresh = 0.0
+        while pending and time.monotonic() < deadline:
+            now = time.monotonic()
+            if now >= next_refresh:
+                bus.follow_new_partitions(self.consumer, self.topic)
+                next_refresh = now + _PARTITION_REFRESH_S
+            if not self.consumer.assignment():
+                time.sleep(min(0.5, max(0.0, deadline - now)))
+                continue
+            remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            batches = self.consumer.poll(timeout_ms=min(500, max(1, remaining_ms)))
+            for records in batches.values():
+                for record in records:
+                    result = self._parse(record.value)
+                    if result is None or result.request_id not in pending:
+                        continue
+                    pending.discard(result.request_id)
+                    if on_result is not None:
+                        on_result(result)
+                    yield result
+
+    def _parse(self, raw: bytes | None) -> GenerationResult | None:
+        try:
+            return GenerationResult.model_validate_json(raw or b"")
+        except ValidationError as exc:
+            self.skipped += 1
+            log.warning(
+                "not a result; skipped", extra={"topic": self.topic, "error": str(exc).splitlines()[0]}
+            )
+            return None
+
+    def close(self) -> None:
+        self.consumer.close()
+
+    def __enter__(self) -> ResultWatcher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class ReceivedRequest:
+    """One message of the requests topic as a consumer sees it: the request, or why it is not one."""
+
+    key: bytes | None
+    partition: int
+    offset: int
+    request: GenerationRequest | None
+    error: ContractError | None
+
+
+def read_requests(
+    settings: KafkaSettings, *, group_id: str, timeout_s: float, limit: int | None = None
+) -> Iterator[ReceivedRequest]:
+    """Consume the requests topic in consumer group ``group_id``, validating every message (for tools and
+    tests; the scheduler has its own consumer). Offsets are committed after each yielded message."""
+    consumer = bus.make_consumer(settings, [settings.kafka_requests_topic], group_id=group_id)
+    seen = 0
+    try:
+        for record in bus.poll_records(consumer, timeout_s=timeout_s):
+            try:
+                received = ReceivedRequest(
+                    record.key, record.partition, record.offset, parse_request(record.value), None
+                )
+            except ContractError as exc:
+                received = ReceivedRequest(record.key, record.partition, record.offset, None, exc)
+            yield received
+            consumer.commit()
+            seen += 1
+            if limit is not None and seen >= limit:
+                return
+    finally:
+        consumer.close()
