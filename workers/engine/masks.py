@@ -67,11 +67,12 @@ def build_mask(
     """Return ``(mask (S,) bool, processed score (S,) or None)`` for the ``stage2_index``-th Stage-2 step."""
     f, h, w = grid
     n = f * h * w
-    k_min = min(n, math.ceil(settings.min_active_fraction * n - 1e-9))
+    # the maximum wins when both bounds fall between the same two integers
     k_max = max(0, math.floor(settings.max_active_fraction * n + 1e-9))
+    k_min = min(k_max, math.ceil(settings.min_active_fraction * n - 1e-9))
     if score is None:
         mask = torch.zeros(n, dtype=torch.bool)
-        mask[: max(k_min, k_max)] = True
+        mask[:k_max] = True
         return mask, None
     if score.numel() != n:
         raise ValueError(f"score has {score.numel()} entries, grid {grid} has {n}")

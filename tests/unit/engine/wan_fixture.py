@@ -1,4 +1,8 @@
-"""A random-weight Wan2.1 diffusers directory assembled from small configs (no download)."""
+"""A random-weight Wan2.1 diffusers directory assembled from small configs (no download).
+
+``build_random_wan_dir(path)`` writes it with ``WanPipeline.save_pretrained`` (the layout of the real
+Wan2.1-T2V-1.3B diffusers repository) and returns the in-memory pipeline it saved.
+"""
 
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ def build_tokenizer():  # type: ignore[no-untyped-def]
     )
 
 
-def build_random_wan_dir(path: Path, *, seed: int = 0) -> Path:
+def build_random_wan_dir(path: Path, *, seed: int = 0):  # type: ignore[no-untyped-def]
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -91,4 +95,6 @@ def build_random_wan_dir(path: Path, *, seed: int = 0) -> Path:
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
     )
     pipe.save_pretrained(path)
-    return path
+    for module in (text_encoder, transformer, vae):
+        module.eval()  # freshly built modules are in training mode (dropout)
+    return pipe
