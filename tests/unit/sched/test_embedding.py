@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from chorus_sched.embedding import (
+    Embedder,
+    HashingEmbedder,
+    MiniLMEmbedder,
+    cosine,
+    make_embedder,
+    token_diff,
+    words,
+)
+
+word = st.text(alphabet="abcdefghij", min_size=1, max_size=4)
+prompts = st.lists(word, min_size=0, max_size=12)
+
+
+def test_words_are_case_folded_and_punctuation_free() -> None:
+    assert words("A Red circle, moving LEFT — on a white background!") == [
+        "a", "red", "circle", "moving", "left", "on", "a", "white", "background",
+    ]  # fmt: skip
+    assert words("the shape's path") == ["the", "shape's", "path"]
+    assert words("ＲＥＤ") == ["red"]  # compatibility forms normalize
+
+
+def test_a_color_swap_is_one_word_each_side() -> None:
+    diff = token_diff(
+        "a red circle moving left on a white background", "a blue circle moving left on a white background"
+    )
+    assert diff.donor_only == ("red",)
+    assert diff.target_only == ("blue",)
+    assert diff.target_positions == (1,)
+    assert diff.content_changes() == 1
+    assert not diff.identical
+    assert diff.describe() == "-['red'] +['blue']"
+
+
+def test_same_words_in_a_new_order_are_a_difference() -> None:
+    diff = token_diff("red circle on a blue background", "blue circle on a red background")
+    assert not diff.identical
+    assert diff.content_changes() >= 1
+
+
+def test_ignorable_words_do_not_count_as_content_changes() -> None:
+    diff = token_diff("a red circle on the white background", "red circle over white background")
+    assert set(diff.donor_only) == {"a", "on", "the"}
+    assert diff.target_only == ("over",)
+    assert diff.content_changes(frozenset({"a", "on", "the", "over"})) == 0
+    assert diff.content_changes() == 3
+
+
+@given(prompts)
+def test_a_prompt_does_not_differ_from_itself(ws: list[str]) -> None:
+    text = " ".join(ws)
+    diff = token_diff(text, text)
+    assert diff.identical
+    assert diff.changed_fraction == (0.0 if ws else 1.0)
+    assert diff.content_changes() == 0
+
+
+@given(prompts, prompts)
+def test_diff_accounts_for_every_word(a: list[str], b: list[str]) -> None:
+    diff = token_diff(" ".join(a), " ".join(b))
+    assert diff.donor_words == tuple(a) and diff.target_words == tuple(b)
+    # the matched words are the same sequence on both sides
+    kept_a = [w for i, w in enumerate(a) if i not in diff.donor_positions]
+    kept_b = [w for i, w in enumerate(b) if i not in diff.target_positions]
+    assert kept_a == kept_b
+    assert diff.matched == len(kept_b)
+    assert 0.0 <= diff.changed_fraction <= 1.0
+    assert diff.identical == (a == b)
+
+
+@given(prompts, st.data())
+def test_inserting_a_new_word_is_exactly_one_target_only_word(ws: list[str], data: st.DataObject) -> None:
+    position = data.draw(st.integers(0, len(ws)))
+    new = "zzz"  # outside the alphabet of the other words
+    target = [*ws[:position], new, *ws[position:]]
+    diff = token_diff(" ".join(ws), " ".join(target))
+    assert diff.target_only == (new,)
+    assert diff.target_positions == (position,)
+    assert diff.donor_only == ()
+
+
+@given(st.lists(word, min_size=1, max_size=12), st.data())
+def test_replacing_one_word_with_a_new_one_is_one_content_change(ws: list[str], data: st.DataObject) -> None:
+    position = data.draw(st.integers(0, len(ws) - 1))
+    target = list(ws)
+    target[position] = "zzz"
+    diff = token_diff(" ".join(ws), " ".join(target))
+    assert diff.content_changes() == 1
+    assert diff.target_only == ("zzz",)
+
+
+def test_hashing_embedder_gives_unit_vectors_and_same_text_same_vector() -> None:
+    embedder = make_embedder("hashing")
+    assert isinstance(embedder, Embedder)
+    a, b, c = embedder.embed(["a red circle", "a red circle", "a blue square moving up"])
+    assert len(a) == embedder.dim == 384
+    assert math.isclose(sum(x * x for x in a), 1.0, rel_tol=1e-9)
+    assert a == b
+    assert cosine(a, b) == pytest.approx(1.0)
+    assert cosine(a, c) < 0.9
+    assert embedder.embed([]) == []
+    assert HashingEmbedder(dim=16).embed([""])[0] == [0.0] * 16
+
+
+def test_unknown_embedder_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown embedder 'clip'"):
+        make_embedder("clip")
+
+
+@pytest.mark.slow
+def test_minilm_embeds_in_one_batch_and_a_color_swap_still_scores_high() -> None:
+    """The FINDINGS case: cosine alone calls a color swap a close donor (which the planner must refuse)."""
+    embedder = MiniLMEmbedder()
+    assert isinstance(embedder, Embedder)
+    red, blue, same = embedder.embed(
+        [
+            "a red circle moving left on a white background",
+            "a blue circle moving left on a white background",
+            "a red circle moving left on a white background",
+        ]
+    )
+    assert len(red) == 384
+    assert math.isclose(sum(x * x for x in red), 1.0, rel_tol=1e-4)
+    assert cosine(red, same) == pytest.approx(1.0, abs=1e-5)
+    assert 0.75 < cosine(red, blue) < 0.92
+
+
+def test_repeated_words_are_not_reported_as_differences() -> None:
+    diff = token_diff("a red circle on a white background", "a big red circle on a white background")
+    assert diff.target_only == ("big",)
+    assert diff.donor_only == ()
+
+
+def test_very_long_prompts_fall_back_to_the_block_heuristic() -> None:
+    long = " ".join(f"w{i % 50}" for i in range(600))
+    diff = token_diff(long, long + " extra")
+    assert diff.target_only == ("extra",)

@@ -1,0 +1,266 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from chorus_sched.embedding import token_diff
+from chorus_sched.planner import (
+    CalibrationError,
+    CalibrationTable,
+    Planner,
+    default_calibration_path,
+    load_calibration,
+    parse_calibration,
+    write_calibration,
+)
+
+RED = "a red circle moving left on a white background"
+BLUE = "a blue circle moving left on a white background"
+
+
+def row(
+    name: str, min_similarity: float, max_changes: int, k1: float, k2: float, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "min_similarity": min_similarity,
+        "max_content_changes": max_changes,
+        "k1": k1,
+        "k2": k2,
+        **extra,
+    }
+
+
+def table(**overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "format": "chorus-calibration/1",
+        "provisional": False,
+        "source": "test",
+        "embedder": "hashing-384",
+        "ignorable_words": ["a", "on", "the"],
+        "regimes": [
+            {"name": "few", "max_steps": 8, "rows": [row("same", 0.95, 0, 0.5, 0.0)]},
+            {
+                "name": "many",
+                "max_steps": 1000,
+                "rows": [row("same", 0.95, 0, 0.4, 0.2), row("one", 0.8, 1, 0.1, 0.2, alpha=2.0)],
+            },
+        ],
+    }
+    data.update(overrides)
+    return data
+
+
+def test_the_shipped_table_loads_and_says_it_is_provisional() -> None:
+    shipped = load_calibration()
+    assert shipped.provisional is True
+    assert "PROVISIONAL" in shipped.note
+    assert shipped.embedder == "all-minilm-l6-v2"
+    assert [r.name for r in shipped.regimes] == ["few-step", "many-step"]
+    assert shipped.regime_for(4).name == "few-step"
+    assert shipped.regime_for(8).name == "few-step"
+    assert shipped.regime_for(9).name == "many-step"
+    assert default_calibration_path().name == "calibration.json"
+
+
+def test_shipped_table_refuses_a_color_swap_in_few_steps_and_reuses_identical_prompts() -> None:
+    planner = Planner(load_calibration())
+    swap = planner.plan(0.84, token_diff(RED, BLUE), 4)
+    assert not swap.reuses and swap.row is None
+    assert "1 content change" in swap.reason and "'red'" in swap.reason
+    same = planner.plan(1.0, token_diff(RED, RED), 4)
+    assert same.reuses and same.row == "same-words"
+    assert (same.plan.stage1_steps, same.plan.stage2_steps, same.plan.stage3_steps) == (2, 0, 2)
+    # many steps: a one-word change reuses a little, with TGAA
+    many = planner.plan(0.84, token_diff(RED, BLUE), 20)
+    assert many.row == "one-content-word"
+    assert (many.plan.stage1_steps, many.plan.stage2_steps, many.plan.stage3_steps) == (2, 4, 14)
+    assert many.plan.alpha == 2.0 and many.plan.tgaa_in_stage3
+
+
+def test_first_admitting_row_decides_and_fractions_round_down() -> None:
+    planner = Planner(CalibrationTable.model_validate(table()))
+    choice = planner.plan(
+        0.97, token_diff("a red circle", "red circle"), 10
+    )  # only an ignorable word differs
+    assert choice.row == "same" and choice.regime == "many"
+    assert (choice.plan.stage1_steps, choice.plan.stage2_steps, choice.plan.stage3_steps) == (4, 2, 4)
+    choice = planner.plan(0.9, token_diff(RED, BLUE), 10)
+    assert choice.row == "one" and choice.plan.alpha == 2.0
+    assert (choice.plan.stage1_steps, choice.plan.stage2_steps) == (1, 2)
+    refused = planner.plan(0.79, token_diff(RED, BLUE), 10)
+    assert not refused.reuses and "no many row admits similarity 0.790" in refused.reason
+
+
+def test_a_row_whose_fractions_round_to_nothing_gives_a_full_plan() -> None:
+    planner = Planner(CalibrationTable.model_validate(table()))
+    choice = planner.plan(1.0, token_diff(RED, RED), 1)
+    assert not choice.reuses
+    assert choice.plan.stage3_steps == 1
+    assert "round to no reused step at N=1" in choice.reason
+
+
+fractions = st.floats(0.0, 1.0, allow_nan=False)
+
+
+@given(
+    k1=fractions,
+    k2=fractions,
+    n=st.integers(1, 1000),
+    similarity=st.floats(-1.0, 1.0, allow_nan=False),
+    changes=st.integers(0, 3),
+)
+def test_every_plan_covers_n_steps_with_stage3_at_least_one(
+    k1: float, k2: float, n: int, similarity: float, changes: int
+) -> None:
+    if k1 + k2 >= 1.0:
+        with pytest.raises(CalibrationError, match="k1 \\+ k2 must be below 1"):
+            parse_calibration(
+                json.dumps(
+                    table(regimes=[{"name": "all", "max_steps": 1000, "rows": [row("r", -1.0, 3, k1, k2)]}])
+                )
+            )
+        return
+    data = table(regimes=[{"name": "all", "max_steps": 1000, "rows": [row("r", -1.0, 3, k1, k2)]}])
+    planner = Planner(parse_calibration(json.dumps(data)))
+    target = " ".join(["x"] * changes) + " red circle"
+    choice = planner.plan(similarity, token_diff("red circle", target), n)
+    plan = choice.plan
+    assert plan.num_steps == n
+    assert plan.stage3_steps >= 1
+    assert plan.stage1_steps <= k1 * n and plan.stage2_steps <= k2 * n
+
+
+def write(tmp_path: Path, content: str) -> Path:
+    path = tmp_path / "calibration.json"
+    path.write_text(content)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not JSON: Expecting property name enclosed in double quotes at line 1 column 2"),
+        ("[]", "not a valid calibration table"),
+        (json.dumps(table(format="chorus-calibration/2")), "format"),
+        (json.dumps(table(regimes=[])), "regimes"),
+        (json.dumps(table(extra_field=1)), "extra_field"),
+        (
+            json.dumps(table(regimes=[{"name": "all", "max_steps": 50, "rows": []}])),
+            "the last regime must reach max_steps 1000",
+        ),
+        (
+            json.dumps(
+                table(
+                    regimes=[
+                        {"name": "a", "max_steps": 1000, "rows": []},
+                        {"name": "b", "max_steps": 8, "rows": []},
+                    ]
+                )
+            ),
+            "strictly increasing max_steps",
+        ),
+        (
+            json.dumps(
+                table(
+                    regimes=[
+                        {
+                            "name": "all",
+                            "max_steps": 1000,
+                            "rows": [row("loose", 0.5, 2, 0.1, 0.1), row("strict", 0.9, 0, 0.5, 0.1)],
+                        }
+                    ]
+                )
+            ),
+            "row 'strict' can never apply",
+        ),
+        (
+            json.dumps(
+                table(
+                    regimes=[
+                        {"name": "all", "max_steps": 1000, "rows": [row("r", 0.9, 0, 0.2, 0.1, alpha=0.5)]}
+                    ]
+                )
+            ),
+            "alpha",
+        ),
+        (
+            json.dumps(
+                table(
+                    regimes=[
+                        {
+                            "name": "all",
+                            "max_steps": 1000,
+                            "rows": [
+                                row("r", 0.9, 0, 0.2, 0.1, min_active_fraction=0.9, max_active_fraction=0.1)
+                            ],
+                        }
+                    ]
+                )
+            ),
+            "min_active_fraction exceeds max_active_fraction",
+        ),
+    ],
+)
+def test_a_bad_file_is_a_clear_error_naming_the_file(tmp_path: Path, content: str, message: str) -> None:
+    path = write(tmp_path, content)
+    with pytest.raises(CalibrationError) as excinfo:
+        load_calibration(path)
+    assert str(path) in str(excinfo.value)
+    assert message in str(excinfo.value)
+
+
+def test_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(CalibrationError, match="cannot read the calibration table"):
+        load_calibration(tmp_path / "nope.json")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=16,
+)
+
+
+@given(st.one_of(st.text(max_size=200), json_values.map(json.dumps)))
+def test_any_text_either_loads_or_fails_with_calibration_error(text: str) -> None:
+    try:
+        parse_calibration(text)
+    except CalibrationError as exc:
+        assert str(exc).startswith("<calibration>: ")
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 0.49), st.floats(0.0, 0.49), st.floats(1.0, 20.0)),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_written_tables_load_back_equal(rows: list[tuple[float, float, float]]) -> None:
+    import tempfile
+
+    data = table(
+        regimes=[
+            {
+                "name": "all",
+                "max_steps": 1000,
+                "rows": [
+                    row(f"r{i}", 0.99 - 0.1 * i, i, k1, k2, alpha=a) for i, (k1, k2, a) in enumerate(rows)
+                ],
+            }
+        ]
+    )
+    original = CalibrationTable.model_validate(data)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "sub" / "calibration.json"
+        write_calibration(original, path)
+        assert load_calibration(path) == original
+        assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]  # no temporary left behind
