@@ -12,6 +12,7 @@ failed or did not arrive in time, or the broker refused a request; 2 invalid inp
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -61,15 +62,15 @@ def produce(
     ),
 ) -> None:
     """Publish generation requests to the requests topic (and with --wait, print their results)."""
-    from producer.logs import configure_logging
     from producer.sdk import BatchInvalid, ChorusClient, PublishError, parse_jsonl, request_from_options
     from producer.settings import ProducerSettings
 
-    out = Console()
+    # Not a terminal (a pipe, a script): wide lines instead of a table folded to 80 columns.
+    out = Console() if sys.stdout.isatty() else Console(width=200)
     err = Console(stderr=True)
     overrides: dict[str, Any] = {"kafka_bootstrap": bootstrap} if bootstrap else {}
     settings = ProducerSettings(**overrides)
-    configure_logging("WARNING", settings.log_format)
+    _log_to_stderr(settings.log_format)
 
     if (prompt is None) == (file is None):
         _fail(err, "give exactly one of --prompt or --file")
@@ -147,6 +148,17 @@ def produce(
     failed = any(r.status is not ResultStatus.DONE for r in results.values())
     if missing or failed:
         raise typer.Exit(code=1)
+
+
+def _log_to_stderr(fmt: str) -> None:
+    """Warnings of the client libraries go to stderr, so stdout carries only the output (``--json``)."""
+    from producer.logs import ConsoleFormatter, JsonFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else ConsoleFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
 
 
 def _read_lines(file: Path, err: Console) -> list[str]:

@@ -222,6 +222,8 @@ class ResultWatcher:
         self.topic = settings.kafka_results_topic
         self.consumer: KafkaConsumer = bus.tail_consumer(settings, self.topic)
         self.skipped = 0  # messages on the topic that were not valid results
+        # The first result of every request seen so far, so sequential waits lose nothing.
+        self.received: dict[str, GenerationResult] = {}
 
     def wait(
         self,
@@ -230,8 +232,16 @@ class ResultWatcher:
         timeout_s: float,
         on_result: Callable[[GenerationResult], None] | None = None,
     ) -> Iterator[GenerationResult]:
-        """Yield the first result of each id as it arrives, until all arrived or ``timeout_s`` passed."""
+        """Yield the first result of each id as it arrives, until all arrived or ``timeout_s`` passed.
+
+        Results that arrived earlier (while waiting for other ids) are yielded first.
+        """
         pending = set(request_ids)
+        for request_id in sorted(pending & set(self.received)):
+            pending.discard(request_id)
+            if on_result is not None:
+                on_result(self.received[request_id])
+            yield self.received[request_id]
         deadline = time.monotonic() + timeout_s
         next_refresh = 0.0
         while pending and time.monotonic() < deadline:
@@ -247,7 +257,10 @@ class ResultWatcher:
             for records in batches.values():
                 for record in records:
                     result = self._parse(record.value)
-                    if result is None or result.request_id not in pending:
+                    if result is None or result.request_id in self.received:
+                        continue
+                    self.received[result.request_id] = result
+                    if result.request_id not in pending:
                         continue
                     pending.discard(result.request_id)
                     if on_result is not None:

@@ -96,6 +96,8 @@ def celery_config(settings: WorkerSettings) -> dict[str, Any]:
         )
         if broker_url.startswith(("redis://", "rediss://", "sqs://")):
             transport_options["visibility_timeout"] = int(settings.task_time_limit_s + _VISIBILITY_MARGIN_S)
+        if settings.broker_key_prefix and broker_url.startswith(("redis://", "rediss://")):
+            transport_options["global_keyprefix"] = settings.broker_key_prefix
     else:
         dirs = filesystem_dirs(settings.state_dir)
         for path in dirs.values():
@@ -114,7 +116,11 @@ def celery_config(settings: WorkerSettings) -> dict[str, Any]:
         "broker_url": broker_url,
         "result_backend": result_backend,
         "broker_transport_options": transport_options,
-        "result_backend_transport_options": dict(transport_options) if result_backend == broker_url else {},
+        "result_backend_transport_options": (
+            {"global_keyprefix": settings.broker_key_prefix}
+            if settings.broker_key_prefix and (result_backend or "").startswith(("redis://", "rediss://"))
+            else {}
+        ),
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",
         "result_serializer": "json",
@@ -165,13 +171,18 @@ def settings_of(app: Celery) -> WorkerSettings:
     return settings
 
 
-def app_for_broker(broker_url: str, *, state_dir: Path, result_backend: str = "") -> Celery:
+def app_for_broker(
+    broker_url: str, *, state_dir: Path, result_backend: str = "", **settings_overrides: Any
+) -> Celery:
     """The client app the scheduler dispatches with: same queues, routes and serializer as the workers.
 
     ``broker_url`` empty means the embedded filesystem transport under ``state_dir`` (the same folders the
-    workers of that state dir consume).
+    workers of that state dir consume). Other ``WorkerSettings`` fields (e.g. ``broker_key_prefix``) may be
+    given as keywords; the rest come from the environment.
     """
-    settings = WorkerSettings(broker_url=broker_url, result_backend=result_backend, state_dir=state_dir)
+    settings = WorkerSettings(
+        broker_url=broker_url, result_backend=result_backend, state_dir=state_dir, **settings_overrides
+    )
     return create_app(settings, with_tasks=False)
 
 

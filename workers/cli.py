@@ -67,6 +67,10 @@ def worker(
         raise typer.Exit(code=2)
     configure_logging(settings.log_level, settings.log_format)
 
+    # Import the engine's modules (torch, diffusers) once here, before the pool forks, so each process does
+    # not import them on its first order. Models are still loaded in each process (CUDA must start after fork).
+    import workers.runner  # noqa: F401
+
     models = settings.served_models
     queues = [queue_for(m) for m in models] + ([MAINTENANCE_QUEUE] if maintenance else [])
     app = create_app(settings)

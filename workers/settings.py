@@ -16,6 +16,8 @@ class WorkerSettings(KafkaSettings):
     # Celery broker and result backend. Empty means the embedded filesystem transport under state_dir.
     broker_url: str = ""
     result_backend: str = ""
+    # Prefix of every Redis key the broker and result backend use, so deployments can share one Redis.
+    broker_key_prefix: str = ""
     s3_endpoint: str = "127.0.0.1:9000"
     s3_secure: bool = False
     s3_region: str = "us-east-1"

@@ -23,17 +23,18 @@ from workers.store import StoreError, store_for
 
 log = logging.getLogger(__name__)
 
-_ATTEMPTS_KEY = "chorus-attempts-{}"
+_ATTEMPTS_SUFFIX = ".attempts"
 
 
 def register(app: Celery) -> None:
-    """Register both tasks on ``app`` (each app gets its own task classes)."""
+    """Register both tasks on ``app`` only (not shared: a client app built later must not get them)."""
     from workers.app import settings_of
 
     settings = settings_of(app)
     app.task(
         name=GENERATE_TASK,
         bind=True,
+        shared=False,
         autoretry_for=(ResultNotPublished,),
         max_retries=settings.result_publish_retries,
         retry_backoff=2,
@@ -42,6 +43,7 @@ def register(app: Celery) -> None:
     app.task(
         name=EVICT_TASK,
         bind=True,
+        shared=False,
         autoretry_for=(StoreError,),
         max_retries=3,
         retry_backoff=2,
@@ -56,7 +58,17 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
 
     settings = settings_of(self.app)
     attempt = count_attempt(self)
-    result = runner_for(settings).handle(order_json, worker=self.request.hostname, attempt=attempt)
+
+    def progress(done: int, total: int) -> None:
+        # Visible to `AsyncResult(task_id).info` while the order runs; best-effort.
+        try:
+            self.update_state(state="PROGRESS", meta={"step": done, "of": total})
+        except Exception as exc:
+            log.debug("progress not recorded", extra={"error": repr(exc)})
+
+    result = runner_for(settings).handle(
+        order_json, worker=self.request.hostname, attempt=attempt, progress=progress
+    )
     return {
         "request_id": result.request_id,
         "status": str(result.status),
@@ -93,19 +105,26 @@ def count_attempt(task: Task) -> int:
     """Count this delivery of the task in the result backend (1 for the first); 1 when it keeps no keys.
 
     A delivery is counted before any work, so an order whose worker is killed (and that the broker therefore
-    delivers again) is recognised on its ``task_max_attempts``-th delivery and answered ``failed``.
+    delivers again) is recognised on its ``task_max_attempts``-th delivery and answered ``failed``. The counter
+    lives beside the task's result (same key prefix, same expiry).
     """
+    key = attempts_key(task)
     backend = task.backend
-    get = getattr(backend, "get", None)
-    put = getattr(backend, "set", None)
-    if not callable(get) or not callable(put):
+    if key is None:
         return 1
-    key = _ATTEMPTS_KEY.format(task.request.id)
     try:
-        raw = get(key)
+        raw = backend.get(key)
         attempt = int(raw or 0) + 1
-        put(key, str(attempt).encode())
+        backend.set(key, str(attempt).encode())
     except Exception as exc:  # counting is best-effort; the order still runs
         log.warning("could not count task attempt", extra={"task_id": task.request.id, "error": repr(exc)})
         return 1
     return attempt
+
+
+def attempts_key(task: Task) -> Any:
+    """The backend key of a task's delivery counter (``None`` for a backend without plain keys)."""
+    backend = task.backend
+    if not all(callable(getattr(backend, name, None)) for name in ("get", "set", "get_key_for_task")):
+        return None
+    return backend.get_key_for_task(task.request.id, key=_ATTEMPTS_SUFFIX)

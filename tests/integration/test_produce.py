@@ -1,0 +1,197 @@
+"""``chorus produce`` and the SDK against the real Kafka-protocol broker, checked with ``kcat`` (librdkafka).
+
+``kcat`` is an independent client: what it publishes the SDK must read and validate, and what ``chorus produce``
+publishes it must read keyed by request id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from producer import bus
+from producer.contract import ErrorInfo, GenerationResult, ResultStatus, parse_request
+from producer.sdk import read_requests
+from producer.settings import KafkaSettings
+
+pytestmark = pytest.mark.integration
+
+CHORUS = str(Path(sys.executable).with_name("chorus"))
+KCAT = shutil.which("kcat")
+needs_kcat = pytest.mark.skipif(KCAT is None, reason="kcat is not installed (scripts/test.sh installs it)")
+
+
+def env_for(settings: KafkaSettings) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        CHORUS_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+        CHORUS_KAFKA_API_VERSION=settings.kafka_api_version,
+        CHORUS_KAFKA_REQUESTS_TOPIC=settings.kafka_requests_topic,
+        CHORUS_KAFKA_RESULTS_TOPIC=settings.kafka_results_topic,
+    )
+    return env
+
+
+def produce(settings: KafkaSettings, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CHORUS, "produce", *args], env=env_for(settings), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def kcat_consume(settings: KafkaSettings, topic: str, count: int) -> list[tuple[str, int, str]]:
+    """(key, partition, value) of the first ``count`` messages of ``topic``, read by kcat."""
+    assert KCAT is not None
+    out = subprocess.run(
+        [
+            KCAT,
+            "-b",
+            settings.kafka_bootstrap,
+            "-C",
+            "-t",
+            topic,
+            "-o",
+            "beginning",
+            "-c",
+            str(count),
+            "-q",
+            "-f",
+            "%k\t%p\t%s\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    rows = []
+    for line in out.stdout.splitlines():
+        key, partition, value = line.split("\t", 2)
+        rows.append((key, int(partition), value))
+    return rows
+
+
+@needs_kcat
+def test_a_request_published_by_kcat_is_read_and_validated_by_the_sdk(kafka_settings: KafkaSettings) -> None:
+    assert KCAT is not None
+    valid = {"request_id": "kcat-1", "prompt": "a red circle moving left", "model": "toy", "seed": 7}
+    lines = f"kcat-1|{json.dumps(valid)}\nbroken|{{not json\n"
+    subprocess.run(
+        [
+            KCAT,
+            "-b",
+            kafka_settings.kafka_bootstrap,
+            "-P",
+            "-t",
+            kafka_settings.kafka_requests_topic,
+            "-K",
+            "|",
+        ],
+        input=lines,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    received = sorted(
+        read_requests(kafka_settings, group_id="sdk-reader", timeout_s=60, limit=2),
+        key=lambda r: r.key or b"",
+    )
+    assert [r.key for r in received] == [b"broken", b"kcat-1"]
+    bad, good = received
+    assert good.request is not None and good.error is None
+    assert (good.request.request_id, good.request.prompt, good.request.seed) == ("kcat-1", valid["prompt"], 7)
+    assert good.request.num_frames == 8  # the model's default filled in
+    assert bad.request is None and bad.error is not None
+    assert [(i.field, i.rule) for i in bad.error.issues] == [("<message>", "json")]
+
+
+@needs_kcat
+def test_produce_publishes_requests_keyed_by_id_that_kcat_reads(
+    kafka_settings: KafkaSettings, tmp_path: Path
+) -> None:
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(
+        "\n".join(json.dumps({"request_id": f"p-{i}", "prompt": f"shape {i}", "seed": i}) for i in range(3))
+        + "\n"
+    )
+    sent = produce(kafka_settings, "--file", str(batch), "--model", "toy", "--tenant", "acme", "--json")
+    assert sent.returncode == 0, sent.stderr
+    assert json.loads(sent.stdout)["sent"] == ["p-0", "p-1", "p-2"]
+    # The same id published again (another invocation) lands in the same partition.
+    again = produce(
+        kafka_settings,
+        "--prompt",
+        "shape 1 again",
+        "--request-id",
+        "p-1",
+        "--model",
+        "toy",
+        "--tenant",
+        "acme",
+    )
+    assert again.returncode == 0, again.stderr
+    assert "sent p-1" in again.stdout
+
+    rows = kcat_consume(kafka_settings, kafka_settings.kafka_requests_topic, 4)
+    assert sorted(key for key, _, _ in rows) == ["p-0", "p-1", "p-1", "p-2"]
+    for key, _, value in rows:
+        request = parse_request(value)
+        assert request.request_id == key and request.tenant == "acme" and request.model == "toy"
+    assert len({partition for key, partition, _ in rows if key == "p-1"}) == 1
+
+
+def respond(settings: KafkaSettings, answers: dict[str, ResultStatus]) -> None:
+    """Answer the given requests on the results topic (a stand-in for the scheduler and workers)."""
+    producer = bus.make_producer(settings)
+    try:
+        for received in read_requests(settings, group_id="responder", timeout_s=120, limit=len(answers)):
+            assert received.request is not None
+            request_id = received.request.request_id
+            status = answers[request_id]
+            result = GenerationResult(
+                request_id=request_id,
+                status=status,
+                video_uri=f"s3://b/videos/{request_id}.mp4" if status is ResultStatus.DONE else None,
+                error=ErrorInfo(code="engine_error", message="boom")
+                if status is ResultStatus.FAILED
+                else None,
+                steps_computed=4,
+                steps_requested=4,
+            )
+            bus.publish(producer, settings.kafka_results_topic, request_id, result.to_bytes())
+    finally:
+        producer.close()
+
+
+def test_produce_wait_prints_each_result_and_fails_on_a_failed_one(
+    kafka_settings: KafkaSettings, tmp_path: Path
+) -> None:
+    answers = {"w-done": ResultStatus.DONE, "w-failed": ResultStatus.FAILED}
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps({"request_id": rid, "prompt": "x"}) + "\n" for rid in answers))
+    responder = threading.Thread(target=respond, args=(kafka_settings, answers), daemon=True)
+    responder.start()
+    done = produce(kafka_settings, "--file", str(batch), "--wait", "--timeout", "120", "--json")
+    responder.join(timeout=60)
+    assert done.returncode == 1, done.stderr  # one result failed
+    doc = json.loads(done.stdout)
+    assert doc["missing"] == []
+    assert {r["request_id"]: r["status"] for r in doc["results"]} == {"w-done": "done", "w-failed": "failed"}
+    assert next(r for r in doc["results"] if r["status"] == "failed")["error"]["code"] == "engine_error"
+
+
+def test_produce_wait_gives_up_after_its_timeout_and_names_what_is_missing(
+    kafka_settings: KafkaSettings,
+) -> None:
+    waited = produce(
+        kafka_settings, "--prompt", "nobody answers", "--request-id", "lonely-1", "--wait", "--timeout", "2"
+    )
+    assert waited.returncode == 1
+    assert "sent lonely-1" in waited.stdout
+    assert "no result" in waited.stdout  # the table row
+    assert "no result within the timeout for 1 request(s)" in waited.stderr and "lonely-1" in waited.stderr

@@ -1,0 +1,308 @@
+"""A real Celery worker (in-process thread, solo pool) on the real Redis broker runs work orders end to end.
+
+Everything it touches is real: Redis (keys under a prefix unique to this module), the Kafka-protocol broker
+(topics unique to this module), the S3 server (a bucket unique to this module), and the engine on the
+``tiny-random-wan`` model. Results are read from the results topic with the SDK; objects are checked with the
+minio adapter and the video is downloaded with boto3 as an independent client.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import imageio_ffmpeg
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from producer.contract import GenerationRequest, GenerationResult, ResultStatus, ReusePlan, build_request
+from producer.embedded import EmbeddedService
+from producer.sdk import ResultWatcher
+from workers.app import app_for_broker, create_app, send_evict, send_generate
+from workers.donors import header_key, step_key
+from workers.orders import (
+    GENERATE_TASK,
+    MAINTENANCE_QUEUE,
+    DonorRef,
+    EvictOrder,
+    Role,
+    WorkOrder,
+    queue_for,
+    trajectory_prefix,
+)
+from workers.settings import WorkerSettings
+from workers.store import ObjectStore
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-random-wan"
+RESULT_TIMEOUT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def wsettings(
+    kafka_broker: EmbeddedService,
+    s3_server: EmbeddedService,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> WorkerSettings:
+    suffix = uuid.uuid4().hex[:8]
+    return WorkerSettings(
+        state_dir=tmp_path_factory.mktemp("worker-state"),
+        broker_url=redis_url,
+        broker_key_prefix=f"test-{suffix}:",
+        kafka_bootstrap=kafka_broker.address,
+        kafka_api_version="2.1.0",
+        kafka_requests_topic=f"requests-{suffix}",
+        kafka_results_topic=f"results-{suffix}",
+        s3_endpoint=s3_server.address,
+        s3_bucket=f"worker-{suffix}",
+        s3_access_key="test",
+        s3_secret_key="test",
+        follower_poll_s=0.1,
+        task_max_attempts=3,
+    )
+
+
+@pytest.fixture(scope="module")
+def store(wsettings: WorkerSettings) -> ObjectStore:
+    store = ObjectStore.from_settings(wsettings)
+    store.ensure_bucket()
+    return store
+
+
+@pytest.fixture(scope="module")
+def results(wsettings: WorkerSettings) -> Iterator[ResultWatcher]:
+    watcher = ResultWatcher(wsettings)
+    yield watcher
+    watcher.close()
+
+
+@pytest.fixture(scope="module")
+def client(wsettings: WorkerSettings) -> Celery:
+    """The scheduler's view: a client app built with the factory it uses."""
+    return app_for_broker(
+        wsettings.broker_url, state_dir=wsettings.state_dir, broker_key_prefix=wsettings.broker_key_prefix
+    )
+
+
+@pytest.fixture(scope="module")
+def worker(wsettings: WorkerSettings, results: ResultWatcher) -> Iterator[Celery]:
+    app = create_app(wsettings)
+    queues = [queue_for(MODEL), queue_for("wan2.1-t2v-1.3b"), MAINTENANCE_QUEUE]
+    with start_worker(
+        app, pool="solo", perform_ping_check=False, queues=queues, loglevel="WARNING", shutdown_timeout=60
+    ):
+        yield app
+
+
+def order_for(request: GenerationRequest, plan: ReusePlan | None = None, **fields: Any) -> WorkOrder:
+    return WorkOrder(request=request, plan=plan or ReusePlan.full(request.num_steps), **fields)
+
+
+def run(client: Celery, results: ResultWatcher, order: WorkOrder) -> tuple[GenerationResult, dict[str, Any]]:
+    """Dispatch one order; return its result from the results topic and the Celery task's summary."""
+    async_result = send_generate(client, order)
+    (result,) = list(results.wait([order.request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    summary = async_result.get(timeout=60)
+    assert summary["request_id"] == order.request.request_id
+    return result, summary
+
+
+def donor_ref(request_id: str, similarity: float = 0.9, **fields: Any) -> DonorRef:
+    return DonorRef(
+        request_id=request_id,
+        similarity=similarity,
+        trajectory_prefix=trajectory_prefix(request_id),
+        **fields,
+    )
+
+
+@pytest.fixture(scope="module")
+def donor(worker: Celery, client: Celery, results: ResultWatcher) -> GenerationResult:
+    """A finished SOLO request: its trajectory serves the reuse tests."""
+    request = build_request(prompt="a red circle moving left on a white background", model=MODEL, seed=3)
+    result, _ = run(client, results, order_for(request))
+    assert result.status is ResultStatus.DONE, result.error
+    return result
+
+
+def request_like(
+    prompt: str = "a blue circle moving left on a white background", **fields: Any
+) -> GenerationRequest:
+    return build_request(prompt=prompt, model=MODEL, seed=3, **fields)
+
+
+REUSE_PLAN = ReusePlan(stage1_steps=1, stage2_steps=2, stage3_steps=1, alpha=2.0)
+
+
+def test_a_solo_order_publishes_its_result_and_stores_video_and_trajectory(
+    worker: Celery,
+    client: Celery,
+    results: ResultWatcher,
+    store: ObjectStore,
+    wsettings: WorkerSettings,
+    tmp_path: Path,
+) -> None:
+    request = build_request(prompt="a green square moving up", model=MODEL, seed=11)
+    result, summary = run(client, results, order_for(request))
+
+    assert result.status is ResultStatus.DONE and result.error is None, result.error
+    assert (summary["status"], summary["attempt"], summary["video_uri"]) == ("done", 1, result.video_uri)
+    assert (result.steps_computed, result.steps_requested, result.tokens_computed_fraction) == (4, 4, 1.0)
+    assert result.fallback is None and result.donor is None
+    assert result.worker and result.timings.denoise_s > 0 and result.timings.upload_s > 0
+
+    # The trajectory: header + one object per step, its size reported exactly.
+    prefix = trajectory_prefix(request.request_id)
+    assert result.trajectory_uri == store.uri(prefix)
+    objects = {o.key: o.size for o in store.list(prefix)}
+    assert set(objects) == {header_key(prefix)} | {step_key(prefix, i) for i in range(4)}
+    assert result.trajectory_bytes == sum(objects.values())
+
+    # The video, fetched by its URI with boto3 (an independent S3 client), is an mp4 of the request's frames.
+    assert result.video_uri == f"s3://{wsettings.s3_bucket}/videos/{request.request_id}.mp4"
+    bucket, key = result.video_uri.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=f"http://{wsettings.s3_endpoint}",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    )
+    obj = s3.get_object(Bucket=bucket, Key=key)
+    data = obj["Body"].read()
+    assert obj["ContentType"] == "video/mp4"
+    assert data[4:8] == b"ftyp"
+    path = tmp_path / "video.mp4"
+    path.write_bytes(data)
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = next(reader)
+    assert tuple(meta["size"]) == (request.width, request.height)
+    assert sum(1 for _ in reader) == request.num_frames
+
+
+def test_a_finished_donor_is_reused(donor: GenerationResult, client: Celery, results: ResultWatcher) -> None:
+    order = order_for(request_like(), REUSE_PLAN, donor=donor_ref(donor.request_id, 0.93))
+    result, _ = run(client, results, order)
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.fallback is None
+    assert result.donor is not None and (result.donor.request_id, result.donor.similarity) == (
+        donor.request_id,
+        0.93,
+    )
+    assert result.plan == REUSE_PLAN
+    # Stage 1 computed nothing, Stage 2 only a share of the tokens.
+    assert result.steps_computed <= 3 and result.tokens_computed_fraction < 1.0
+    assert result.timings.fetch_s > 0
+
+
+def test_an_evicted_donor_is_deleted_and_then_runs_in_full(
+    worker: Celery, client: Celery, results: ResultWatcher, store: ObjectStore
+) -> None:
+    first, _ = run(client, results, order_for(request_like("a yellow star spinning")))
+    prefix = trajectory_prefix(first.request_id)
+    assert len(list(store.list(prefix))) == 5
+
+    evicted = send_evict(client, EvictOrder(request_ids=[first.request_id, "never-existed"], reason="test"))
+    assert evicted.get(timeout=60) == {"deleted": {first.request_id: 5, "never-existed": 0}}
+    assert list(store.list(prefix)) == []
+    assert store.exists(f"videos/{first.request_id}.mp4")  # videos are the users', eviction keeps them
+
+    order = order_for(
+        request_like("a yellow star spinning fast"), REUSE_PLAN, donor=donor_ref(first.request_id)
+    )
+    result, _ = run(client, results, order)
+    assert result.status is ResultStatus.DONE, result.error
+    assert (result.steps_computed, result.tokens_computed_fraction) == (4, 1.0)
+    assert result.fallback is not None and "not in the store" in result.fallback
+    assert result.donor is not None and result.donor.request_id == first.request_id
+
+
+def test_a_corrupt_donor_runs_in_full(
+    donor: GenerationResult, client: Celery, results: ResultWatcher, store: ObjectStore
+) -> None:
+    # A copy of the donor whose step 0 was damaged after upload.
+    source, target = trajectory_prefix(donor.request_id), trajectory_prefix("corrupt-copy")
+    for obj in store.list(source):
+        data = store.get(obj.key)
+        if obj.key == step_key(source, 0):
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        store.put(target + obj.key.removeprefix(source), data)
+    order = order_for(request_like(), REUSE_PLAN, donor=donor_ref("corrupt-copy"))
+    result, _ = run(client, results, order)
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.steps_computed == 4 and result.fallback is not None and "sha256" in result.fallback
+
+
+def test_an_incompatible_donor_runs_in_full(worker: Celery, client: Celery, results: ResultWatcher) -> None:
+    other_shape, _ = run(client, results, order_for(request_like("a tiny red dot", num_frames=4)))
+    order = order_for(request_like("a tiny blue dot"), REUSE_PLAN, donor=donor_ref(other_shape.request_id))
+    result, _ = run(client, results, order)
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.steps_computed == 4
+    assert (
+        result.fallback is not None
+        and "incompatible donor" in result.fallback
+        and "num_frames" in result.fallback
+    )
+
+
+def test_a_follower_whose_leader_never_uploads_runs_in_full_after_its_deadline(
+    worker: Celery, client: Celery, results: ResultWatcher
+) -> None:
+    order = order_for(
+        request_like("a purple triangle"),
+        REUSE_PLAN,
+        donor=donor_ref("leader-that-never-came", wait_s=1.0),
+        role=Role.FOLLOWER,
+    )
+    result, _ = run(client, results, order)
+    assert result.status is ResultStatus.DONE, result.error
+    assert (result.steps_computed, result.tokens_computed_fraction) == (4, 1.0)
+    assert result.fallback is not None and "not uploaded within 1 s" in result.fallback
+    # It waited (at least) its deadline, and that wait is reported as fetch time, not denoise.
+    assert result.timings.fetch_s >= 1.0
+
+
+def test_a_broken_order_is_answered_failed_with_the_reason(
+    worker: Celery, client: Celery, results: ResultWatcher
+) -> None:
+    request = request_like("a broken order")
+    raw = order_for(request).model_dump(mode="json")
+    raw["plan"] = {"stage1_steps": -1, "stage2_steps": 0, "stage3_steps": 4}
+    async_result = client.send_task(GENERATE_TASK, args=[json.dumps(raw)], task_id=request.request_id)
+    (result,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    assert result.status is ResultStatus.FAILED
+    assert result.error is not None and result.error.code == "invalid_order"
+    assert "stage1_steps" in result.error.message
+    assert async_result.get(timeout=60)["error"] == "invalid_order"
+
+
+def test_a_model_that_cannot_load_fails_once_without_retries(
+    worker: Celery, client: Celery, results: ResultWatcher
+) -> None:
+    request = build_request(prompt="a cat", model="wan2.1-t2v-1.3b")
+    result, summary = run(client, results, order_for(request))
+    assert result.status is ResultStatus.FAILED
+    assert result.error is not None and result.error.code == "model_unavailable"
+    assert "CHORUS_WAN21_DIR" in result.error.message
+    assert summary["attempt"] == 1 and summary["status"] == "failed"
+
+
+def test_an_order_delivered_too_often_is_answered_failed(
+    worker: Celery, client: Celery, results: ResultWatcher, wsettings: WorkerSettings
+) -> None:
+    request = request_like("an order that keeps killing its worker")
+    # As if three earlier deliveries had died with their worker.
+    backend = worker.backend
+    backend.set(backend.get_key_for_task(request.request_id, key=".attempts"), b"3")
+    result, summary = run(client, results, order_for(request))
+    assert result.status is ResultStatus.FAILED
+    assert result.error is not None and result.error.code == "too_many_attempts"
+    assert summary["attempt"] == wsettings.task_max_attempts + 1

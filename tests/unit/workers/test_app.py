@@ -1,0 +1,122 @@
+"""The Celery app's configuration, routing and settings (no broker needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from producer.catalog import CATALOG
+from producer.contract import ReusePlan, build_request
+from workers.app import all_queues, app_for_broker, celery_config, create_app, route_task, settings_of
+from workers.orders import EVICT_TASK, GENERATE_TASK, MAINTENANCE_QUEUE, WorkOrder, queue_for
+from workers.settings import WorkerSettings
+
+
+def order_json(model: str) -> str:
+    request = build_request(prompt="a red circle", model=model)
+    return WorkOrder(request=request, plan=ReusePlan.full(request.num_steps)).model_dump_json()
+
+
+def test_delivery_semantics_and_serializer(tmp_path: Path) -> None:
+    conf = celery_config(WorkerSettings(state_dir=tmp_path, task_soft_time_limit_s=30, task_time_limit_s=45))
+    assert conf["task_acks_late"] is True
+    assert conf["task_reject_on_worker_lost"] is True
+    assert conf["worker_prefetch_multiplier"] == 1
+    assert conf["task_soft_time_limit"] == 30 and conf["task_time_limit"] == 45
+    assert conf["task_serializer"] == conf["result_serializer"] == "json"
+    assert conf["accept_content"] == conf["result_accept_content"] == ["json"]
+    assert sorted(q.name for q in conf["task_queues"]) == sorted(
+        [queue_for(m) for m in CATALOG] + [MAINTENANCE_QUEUE]
+    )
+
+
+def test_empty_broker_url_means_the_filesystem_transport_under_state_dir(tmp_path: Path) -> None:
+    conf = celery_config(WorkerSettings(state_dir=tmp_path))
+    assert conf["broker_url"] == "filesystem://"
+    options = conf["broker_transport_options"]
+    assert options["data_folder_in"] == options["data_folder_out"]
+    for key in ("data_folder_in", "processed_folder", "control_folder"):
+        assert Path(options[key]).is_dir() and Path(options[key]).is_relative_to(tmp_path.resolve())
+    assert conf["result_backend"].startswith("file://" + str(tmp_path.resolve()))
+
+
+def test_redis_broker_keeps_results_in_redis_and_outlasts_the_hard_limit(tmp_path: Path) -> None:
+    settings = WorkerSettings(broker_url="redis://127.0.0.1:6379/3", state_dir=tmp_path / "unused")
+    conf = celery_config(settings)
+    assert conf["broker_url"] == conf["result_backend"] == "redis://127.0.0.1:6379/3"
+    assert conf["broker_transport_options"]["visibility_timeout"] > settings.task_time_limit_s
+    assert not (tmp_path / "unused").exists()
+
+
+@pytest.mark.parametrize("model", sorted(CATALOG))
+def test_generate_orders_route_to_their_models_queue(model: str) -> None:
+    route = route_task(GENERATE_TASK, [order_json(model)], {}, {})
+    assert route is not None and route["queue"] == queue_for(model)
+
+
+@pytest.mark.parametrize("args", [["not json"], [json.dumps({"request": {"model": "nope"}})], []])
+def test_unreadable_orders_route_to_maintenance_where_they_are_answered(args: list[str]) -> None:
+    route = route_task(GENERATE_TASK, args, {}, {})
+    assert route is not None and route["queue"] == MAINTENANCE_QUEUE
+
+
+def test_evictions_route_to_maintenance_and_other_tasks_are_left_alone() -> None:
+    route = route_task(EVICT_TASK, ["{}"], {}, {})
+    assert route is not None and route["queue"] == MAINTENANCE_QUEUE
+    assert route_task("celery.ping", [], {}, {}) is None
+
+
+def test_worker_app_registers_both_tasks_and_the_client_app_none(tmp_path: Path) -> None:
+    worker_app = create_app(WorkerSettings(state_dir=tmp_path))
+    assert {GENERATE_TASK, EVICT_TASK} <= set(worker_app.tasks)
+    client = app_for_broker("", state_dir=tmp_path)
+    assert GENERATE_TASK not in client.tasks
+    assert settings_of(client).state_dir == tmp_path
+    assert all_queues()[-1] == MAINTENANCE_QUEUE
+
+
+def test_the_app_module_and_tasks_import_without_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys, pathlib\n"
+        "from workers.app import create_app\n"
+        f"app = create_app(__import__('workers.settings').settings.WorkerSettings(state_dir=pathlib.Path({str(tmp_path)!r})))\n"
+        "assert 'chorus.generate' in app.tasks\n"
+        "print('torch' in sys.modules, 'diffusers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_worker_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHORUS_WORKER_MODELS", "toy, tiny-random-wan")
+    monkeypatch.setenv("CHORUS_WORKER_AUTOSCALE_MAX", "4")
+    monkeypatch.setenv("CHORUS_TRAJECTORY_DTYPE", "float16")
+    settings = WorkerSettings()
+    assert settings.served_models == ["toy", "tiny-random-wan"]
+    assert settings.worker_autoscale_max == 4 and settings.trajectory_dtype == "float16"
+    monkeypatch.delenv("CHORUS_WORKER_MODELS")
+    assert WorkerSettings().served_models == sorted(CATALOG)
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [
+        ({"CHORUS_WORKER_MODELS": "toy,sora"}, "worker_models"),
+        ({"CHORUS_TASK_SOFT_TIME_LIMIT_S": "100", "CHORUS_TASK_TIME_LIMIT_S": "50"}, "task_time_limit_s"),
+        ({"CHORUS_WORKER_AUTOSCALE_MIN": "5", "CHORUS_WORKER_AUTOSCALE_MAX": "2"}, "worker_autoscale_min"),
+        ({"CHORUS_FOLLOWER_POLL_S": "0"}, "follower_poll_s"),
+    ],
+)
+def test_bad_worker_settings_name_the_problem(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], field: str
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError) as excinfo:
+        WorkerSettings()
+    assert field in str(excinfo.value)

@@ -1,0 +1,252 @@
+"""The S3 donor source and trajectory uploader against a real S3 server (moto), with a fake clock.
+
+The clock is injected so the waiting logic is checked exactly (how long, how many polls) without sleeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from producer.embedded import EmbeddedService
+from workers.donors import S3DonorSource, TrajectoryUploader, header_key, step_key
+from workers.engine.errors import CorruptTrajectory, DonorUnavailable
+from workers.engine.trajectory import (
+    StepRecord,
+    Trajectory,
+    TrajectoryMeta,
+    encode_header,
+    encode_step,
+)
+from workers.orders import trajectory_header_key, trajectory_prefix, trajectory_step_key
+from workers.store import ObjectStore
+
+
+class FakeClock:
+    """``sleep`` advances ``now``; ``on_sleep`` hooks run at the n-th sleep (1-based)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+        self.on_sleep: dict[int, Callable[[], None]] = {}
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds > 0
+        self.sleeps.append(seconds)
+        self.now += seconds
+        hook = self.on_sleep.get(len(self.sleeps))
+        if hook is not None:
+            hook()
+
+
+def make_trajectory(request_id: str = "donor-1", steps: int = 3) -> Trajectory:
+    gen = torch.Generator().manual_seed(7)
+    shape = (4, 2, 4, 4)
+    meta = TrajectoryMeta(
+        request_id=request_id,
+        model="tiny-random-wan",
+        weights_id="weights",
+        num_frames=2,
+        height=16,
+        width=16,
+        latent_shape=shape,
+        token_grid=(2, 2, 2),
+        num_steps=steps,
+        scheduler="FlowMatchEulerDiscreteScheduler",
+        scheduler_hash="abc",
+        timesteps=tuple(1000.0 - 250.0 * i for i in range(steps)),
+        prompt="a red circle",
+        negative_prompt=None,
+        guidance_scale=1.0,
+        seed=0,
+        token_ids=(5, 6, 1, 0),
+        tokens=("a", "red", "</s>", "<pad>"),
+        valid=(True, True, True, False),
+        dtype="float32",
+    )
+    traj = Trajectory(meta, torch.randn(shape, generator=gen))
+    for i in range(steps):
+        traj.append(
+            StepRecord(
+                index=i,
+                timestep=meta.timesteps[i],
+                latent_after=torch.randn(shape, generator=gen),
+                model_output=torch.randn(shape, generator=gen),
+                attn_maps=torch.rand(3, 8, generator=gen),
+            )
+        )
+    return traj
+
+
+@pytest.fixture
+def store(s3_server: EmbeddedService) -> Iterator[ObjectStore]:
+    store = ObjectStore(
+        s3_server.address, f"donors-{uuid.uuid4().hex[:8]}", access_key="test", secret_key="test"
+    )
+    store.ensure_bucket()
+    yield store
+
+
+def upload_header(store: ObjectStore, traj: Trajectory, prefix: str) -> None:
+    store.put(header_key(prefix), encode_header(traj))
+
+
+def upload_step(store: ObjectStore, traj: Trajectory, prefix: str, index: int) -> None:
+    store.put(step_key(prefix, index), encode_step(traj.steps[index]))
+
+
+def assert_same_record(a: StepRecord, b: StepRecord) -> None:
+    assert a.index == b.index and a.timestep == b.timestep
+    assert torch.equal(a.latent_after, b.latent_after) and torch.equal(a.model_output, b.model_output)
+    assert a.attn_maps is not None and b.attn_maps is not None and torch.equal(a.attn_maps, b.attn_maps)
+
+
+def test_keys_follow_the_shared_layout() -> None:
+    prefix = trajectory_prefix("r-1")
+    assert header_key(prefix) == trajectory_header_key("r-1")
+    assert step_key(prefix, 12) == trajectory_step_key("r-1", 12)
+
+
+def test_follower_receives_a_step_uploaded_while_it_waits(store: ObjectStore) -> None:
+    traj = make_trajectory()
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    upload_step(store, traj, prefix, 0)
+    clock = FakeClock()
+    # The leader finishes step 1 during the follower's third wait.
+    clock.on_sleep[3] = lambda: upload_step(store, traj, prefix, 1)
+    source = S3DonorSource(store, prefix, wait_s=5.0, poll_s=0.5, clock=clock, sleep=clock.sleep)
+
+    assert source.metadata() == traj.meta
+    assert torch.equal(source.initial_latent(), traj.initial)
+    assert_same_record(source.step(0), traj.steps[0])
+    assert clock.sleeps == []
+    assert_same_record(source.step(1), traj.steps[1])
+    assert clock.sleeps == [0.5, 0.5, 0.5]
+    assert not source.gave_up
+    # A step read once is served from memory.
+    polls = source.polls
+    assert_same_record(source.step(1), traj.steps[1])
+    assert source.polls == polls
+
+
+def test_follower_gives_up_after_wait_s_and_then_stops_waiting(store: ObjectStore) -> None:
+    traj = make_trajectory()
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    clock = FakeClock()
+    source = S3DonorSource(store, prefix, wait_s=2.0, poll_s=0.75, clock=clock, sleep=clock.sleep)
+    source.metadata()
+    start = clock.now
+
+    with pytest.raises(DonorUnavailable, match="not uploaded within 2 s"):
+        source.step(0)
+    # Waited exactly wait_s: 0.75 + 0.75 + 0.5 (the last sleep stops at the deadline), one poll after each.
+    assert clock.sleeps == [0.75, 0.75, 0.5]
+    assert clock.now - start == pytest.approx(2.0)
+    assert source.gave_up
+    # The leader is taken to be gone: a later step is looked up once, with no wait.
+    upload_step(store, traj, prefix, 2)
+    with pytest.raises(DonorUnavailable, match="not in the store"):
+        source.step(1)
+    assert_same_record(source.step(2), traj.steps[2])
+    assert len(clock.sleeps) == 3
+
+
+def test_missing_header_of_a_finished_donor_fails_at_once(store: ObjectStore) -> None:
+    clock = FakeClock()
+    source = S3DonorSource(store, trajectory_prefix("gone"), clock=clock, sleep=clock.sleep)
+    with pytest.raises(DonorUnavailable, match="header is not in the store"):
+        source.prefetch(range(2))
+    assert clock.sleeps == []
+
+
+def test_prefetch_reads_and_verifies_header_and_needed_steps(store: ObjectStore) -> None:
+    traj = make_trajectory()
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    for i in range(2):
+        upload_step(store, traj, prefix, i)
+    source = S3DonorSource(store, prefix)
+    source.prefetch(range(2))
+    assert source.bytes_read == sum(o.size for o in store.list(prefix))
+    assert_same_record(source.step(1), traj.steps[1])
+
+
+def test_a_tampered_step_is_corrupt(store: ObjectStore) -> None:
+    traj = make_trajectory()
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    blob = bytearray(encode_step(traj.steps[0]))
+    blob[-1] ^= 0xFF  # flip bits in the last tensor's data; the blob's own sha256 no longer matches
+    store.put(step_key(prefix, 0), bytes(blob))
+    with pytest.raises(CorruptTrajectory, match="sha256"):
+        S3DonorSource(store, prefix).step(0)
+
+
+def test_an_object_that_differs_from_its_stored_checksum_is_unavailable(store: ObjectStore) -> None:
+    traj = make_trajectory()
+    prefix = trajectory_prefix(traj.meta.request_id)
+    data = encode_header(traj)
+    store.client.put_object(
+        store.bucket,
+        header_key(prefix),
+        io.BytesIO(data),
+        length=len(data),
+        metadata={"sha256": hashlib.sha256(b"something else").hexdigest()},
+    )
+    with pytest.raises(DonorUnavailable, match="does not match its stored sha256"):
+        S3DonorSource(store, prefix).metadata()
+
+
+def test_a_step_stored_under_another_index_is_corrupt(store: ObjectStore) -> None:
+    traj = make_trajectory()
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    store.put(step_key(prefix, 0), encode_step(traj.steps[1]))
+    with pytest.raises(CorruptTrajectory, match="holds step 1"):
+        S3DonorSource(store, prefix).step(0)
+
+
+def test_streaming_upload_writes_header_then_steps_and_finish_adds_nothing(store: ObjectStore) -> None:
+    traj = make_trajectory("leader-1", steps=3)
+    prefix = trajectory_prefix("leader-1")
+    uploader = TrajectoryUploader(store, prefix)
+    uploader.start()
+    uploader.on_start(Trajectory(traj.meta, traj.initial))
+    for record in traj.steps:
+        uploader.on_step(record)
+    report = uploader.finish(traj)
+
+    assert report.streamed == 4 and report.objects == 4
+    stored = {o.key: o.size for o in store.list(prefix)}
+    assert set(stored) == {header_key(prefix)} | {step_key(prefix, i) for i in range(3)}
+    assert report.bytes == sum(stored.values())
+    back = Trajectory.from_parts(
+        store.get(header_key(prefix)), [store.get(step_key(prefix, i)) for i in range(3)]
+    )
+    assert back.meta == traj.meta and torch.equal(back.initial, traj.initial)
+    for a, b in zip(back.steps, traj.steps, strict=True):
+        assert_same_record(a, b)
+
+
+def test_finish_uploads_a_whole_trajectory_and_float16_halves_it(store: ObjectStore) -> None:
+    traj = make_trajectory("solo-1", steps=2)
+    full = TrajectoryUploader(store, trajectory_prefix("solo-1")).finish(traj)
+    half = TrajectoryUploader(store, trajectory_prefix("solo-1-fp16"), storage_dtype="float16").finish(traj)
+    assert full.objects == half.objects == 3 and full.streamed == 0
+    payload = traj.nbytes("float32")
+    assert payload < full.bytes and half.bytes < full.bytes
+    # Tensor bytes halve; the safetensors headers differ by a few bytes of offsets and padding.
+    assert abs((full.bytes - half.bytes) - (payload - traj.nbytes("float16"))) <= 64 * full.objects
+    record = S3DonorSource(store, trajectory_prefix("solo-1-fp16")).step(1)
+    assert record.latent_after.dtype == torch.float32
+    assert torch.allclose(record.latent_after, traj.steps[1].latent_after, atol=1e-2)

@@ -1,0 +1,146 @@
+"""The producer SDK's batch validation (property-based) and ``chorus produce`` input errors (no broker)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from producer.cli import app
+from producer.sdk import BatchInvalid, ChorusClient, parse_jsonl
+from producer.settings import ProducerSettings
+
+# Each invalid kind: (line text, the field the error must name, the rule it must name).
+INVALID: dict[str, tuple[str, str, str]] = {
+    "not_json": ('{"prompt": "a red', "<message>", "json"),
+    "array": ('["a", "b"]', "<message>", "object"),
+    "no_prompt": ('{"model": "toy"}', "prompt", "missing"),
+    "blank_prompt": ('{"prompt": "   "}', "prompt", "blank"),
+    "bad_height": ('{"prompt": "x", "model": "toy", "height": 48}', "height", "model_shape"),
+    "unknown_model": ('{"prompt": "x", "model": "sora"}', "model", "unknown_model"),
+    "extra_field": ('{"prompt": "x", "colour": "red"}', "colour", "extra_forbidden"),
+    "bad_seed": ('{"prompt": "x", "seed": -1}', "seed", "greater_than_equal"),
+    "bad_version": ('{"prompt": "x", "schema_version": 2}', "schema_version", "schema_version"),
+}
+
+words = st.text(alphabet="abcdefghij klmnop", min_size=1, max_size=30).filter(lambda s: s.strip())
+valid_line = st.fixed_dictionaries(
+    {"prompt": words, "seed": st.integers(min_value=0, max_value=2**40)},
+    optional={
+        "model": st.sampled_from(["toy", "tiny-random-wan"]),
+        "tenant": st.sampled_from(["acme", "default", "t-2"]),
+        "reuse": st.sampled_from(["auto", "off"]),
+        "priority": st.integers(min_value=0, max_value=9),
+    },
+)
+line_kind = st.one_of(
+    st.tuples(st.just("valid"), valid_line),
+    st.tuples(st.just("invalid"), st.sampled_from(sorted(INVALID))),
+    st.tuples(st.just("blank"), st.sampled_from(["", "   ", "\t"])),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(line_kind, max_size=25))
+def test_every_bad_line_is_reported_by_number_and_every_good_line_parses(
+    kinds: list[tuple[str, Any]],
+) -> None:
+    lines: list[str] = []
+    expected_valid: dict[int, dict[str, Any]] = {}
+    expected_invalid: dict[int, tuple[str, str]] = {}
+    for number, (kind, payload) in enumerate(kinds, start=1):
+        if kind == "valid":
+            data = {**payload, "request_id": f"r-{number}"}
+            lines.append(json.dumps(data))
+            expected_valid[number] = data
+        elif kind == "invalid":
+            text, field, rule = INVALID[payload]
+            lines.append(text)
+            expected_invalid[number] = (field, rule)
+        else:
+            lines.append(payload)
+
+    batch = parse_jsonl(lines)
+
+    assert [n for n, _ in batch.requests] == sorted(expected_valid)
+    for number, request in batch.requests:
+        source = expected_valid[number]
+        for key, value in source.items():
+            assert getattr(request, key) == value
+    assert [e.line for e in batch.errors] == sorted(expected_invalid)
+    for error in batch.errors:
+        field, rule = expected_invalid[error.line]
+        assert any(i.field == field and i.rule == rule for i in error.issues), error
+        assert str(error).startswith(f"line {error.line}: ")
+    assert batch.ok == (not expected_invalid)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=12))
+def test_a_repeated_request_id_is_an_error_on_the_later_line(ids: list[str]) -> None:
+    lines = [json.dumps({"prompt": "x", "request_id": rid}) for rid in ids]
+    batch = parse_jsonl(lines)
+    first: dict[str, int] = {}
+    for number, rid in enumerate(ids, start=1):
+        first.setdefault(rid, number)
+    assert [n for n, _ in batch.requests] == sorted(first.values())
+    duplicates = [n for n, rid in enumerate(ids, start=1) if first[rid] != n]
+    assert [e.line for e in batch.errors] == duplicates
+    for error in batch.errors:
+        assert error.issues[0].rule == "duplicate"
+        assert f"line {first[ids[error.line - 1]]}" in error.issues[0].message
+
+
+def test_defaults_fill_only_what_a_line_leaves_out() -> None:
+    lines = [
+        json.dumps({"prompt": "one"}),
+        json.dumps({"prompt": "two", "model": "toy", "num_steps": 6}),
+        "[1]",
+    ]
+    batch = parse_jsonl(lines, defaults={"model": "tiny-random-wan", "num_steps": 3, "tenant": "acme"})
+    (_, first), (_, second) = batch.requests
+    assert (first.model, first.num_steps, first.tenant) == ("tiny-random-wan", 3, "acme")
+    assert (second.model, second.num_steps, second.tenant) == ("toy", 6, "acme")
+    assert [(e.line, e.issues[0].rule) for e in batch.errors] == [(3, "object")]
+
+
+def test_an_invalid_batch_is_refused_before_anything_is_sent() -> None:
+    batch = parse_jsonl(['{"prompt": "ok"}', "nope"])
+    # The client never connects: the bootstrap address is unreachable on purpose.
+    client = ChorusClient(ProducerSettings(kafka_bootstrap="127.0.0.1:1"))
+    try:
+        client.submit_batch(batch)
+    except BatchInvalid as exc:
+        assert [e.line for e in exc.errors] == [2]
+        assert "nothing was sent" in str(exc)
+    else:
+        raise AssertionError("an invalid batch was accepted")
+    assert client._producer is None
+
+
+def test_produce_reports_bad_lines_and_sends_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "batch.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n{"prompt": "x", "model": "toy", "height": 48}\n{"oops"\n')
+    runner = CliRunner()
+    result = runner.invoke(app, ["produce", "--file", str(path), "--bootstrap", "127.0.0.1:1"])
+    assert result.exit_code == 2
+    assert "2 invalid line(s); nothing was sent" in result.output
+    assert "line 3: height: must be 32 for model 'toy' (got 48) [model_shape]" in result.output
+    assert "line 4: <message>: not JSON" in result.output
+
+    as_json = runner.invoke(app, ["produce", "--file", str(path), "--json", "--bootstrap", "127.0.0.1:1"])
+    assert as_json.exit_code == 2
+    doc = json.loads(as_json.stdout)
+    assert doc["sent"] == [] and [line.split(":")[0] for line in doc["invalid"]] == ["line 3", "line 4"]
+
+
+def test_produce_rejects_conflicting_or_invalid_options(tmp_path: Path) -> None:
+    runner = CliRunner()
+    both = runner.invoke(app, ["produce", "--prompt", "x", "--file", str(tmp_path / "f")])
+    assert both.exit_code == 2 and "exactly one of --prompt or --file" in both.output
+    bad = runner.invoke(app, ["produce", "--prompt", "x", "--model", "toy", "--num-frames", "9"])
+    assert bad.exit_code == 2 and "num_frames: must be 8 for model 'toy' (got 9) [model_shape]" in bad.output

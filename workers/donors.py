@@ -1,0 +1,255 @@
+"""Donor trajectories in S3: reading them (a ``DonorSource``) and writing them (``TrajectoryUploader``).
+
+Layout (``workers.orders``): ``<prefix>header.json`` holds the metadata and initial latent, then one
+``<prefix>step-NNNN.safetensors`` per step, each sealed with its own sha256 by ``workers.engine.trajectory``.
+
+Reading, two ways:
+
+- a finished donor (SOLO/LEADER orders): ``prefetch`` downloads the header and every step the plan needs before
+  the engine starts, so a missing, corrupt or unreadable donor is found out up front and the request runs in full;
+- a running leader (FOLLOWER orders): each accessor polls S3 for its object every ``poll_s`` until ``wait_s`` has
+  passed since it began waiting, then raises ``DonorUnavailable`` for that object (the engine computes that step in
+  full). Once one wait has run out the leader is taken to be gone: later objects are looked up once, not waited
+  for, so a follower never waits more than ``wait_s`` in all.
+
+Writing: the header first, then each step as the engine reports it, from a background thread so the denoising
+loop never waits for S3; ``finish`` uploads whatever is still missing (everything, for a SOLO order).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.errors import CorruptTrajectory, DonorUnavailable
+from workers.engine.trajectory import (
+    StepRecord,
+    StorageDType,
+    Trajectory,
+    TrajectoryMeta,
+    decode_header,
+    decode_step,
+    encode_header,
+    encode_step,
+)
+from workers.store import ObjectMissing, ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+HEADER_NAME = "header.json"
+
+
+def header_key(prefix: str) -> str:
+    return f"{prefix}{HEADER_NAME}"
+
+
+def step_key(prefix: str, index: int) -> str:
+    return f"{prefix}step-{index:04d}.safetensors"
+
+
+class S3DonorSource:
+    """A ``DonorSource`` reading one trajectory from S3 (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        prefix: str,
+        *,
+        wait_s: float = 0.0,
+        poll_s: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not prefix.endswith("/"):
+            prefix += "/"
+        self.store = store
+        self.prefix = prefix
+        self.wait_s = wait_s
+        self.poll_s = poll_s
+        self._clock = clock
+        self._sleep = sleep
+        self._meta: TrajectoryMeta | None = None
+        self._initial: torch.Tensor | None = None
+        self._steps: dict[int, StepRecord] = {}
+        self._gave_up = False
+        # Seconds spent inside this source (downloads, decoding and waiting), and bytes downloaded.
+        self.busy_s = 0.0
+        self.bytes_read = 0
+        self.polls = 0
+
+    # --- DonorSource ------------------------------------------------------------------------------------
+    def metadata(self) -> TrajectoryMeta:
+        self._load_header()
+        assert self._meta is not None
+        return self._meta
+
+    def initial_latent(self) -> torch.Tensor:
+        self._load_header()
+        assert self._initial is not None
+        return self._initial
+
+    def step(self, index: int) -> StepRecord:
+        cached = self._steps.get(index)
+        if cached is not None:
+            return cached
+        meta = self.metadata()
+        if not 0 <= index < meta.num_steps:
+            raise IndexError(f"step {index} out of range 0..{meta.num_steps - 1}")
+        start = self._clock()
+        try:
+            data = self._fetch(step_key(self.prefix, index), f"step {index}")
+            record = decode_step(data)
+        finally:
+            self.busy_s += self._clock() - start
+        if record.index != index:
+            raise CorruptTrajectory(
+                f"{self.store.uri(step_key(self.prefix, index))} holds step {record.index}"
+            )
+        self._steps[index] = record
+        return record
+
+    # --- eager use -----------------------------------------------------------------------------------------
+    def prefetch(self, indices: Iterable[int]) -> None:
+        """Download and verify the header and the given steps now (raises what the accessors raise)."""
+        self._load_header()
+        for index in indices:
+            self.step(index)
+
+    @property
+    def gave_up(self) -> bool:
+        """Whether a wait for the leader ran out (later objects are no longer waited for)."""
+        return self._gave_up
+
+    # --- internals -------------------------------------------------------------------------------------------
+    def _load_header(self) -> None:
+        if self._meta is not None:
+            return
+        start = self._clock()
+        try:
+            self._meta, self._initial = decode_header(self._fetch(header_key(self.prefix), "header"))
+        finally:
+            self.busy_s += self._clock() - start
+
+    def _fetch(self, key: str, what: str) -> bytes:
+        deadline: float | None = None
+        while True:
+            self.polls += 1
+            try:
+                data = self.store.get_verified(key)
+            except ObjectMissing:
+                pass
+            except StoreError as exc:
+                raise DonorUnavailable(f"donor {what} unreadable: {exc}") from exc
+            else:
+                self.bytes_read += len(data)
+                return data
+            if self.wait_s <= 0 or self._gave_up:
+                raise DonorUnavailable(f"donor {what} is not in the store ({self.store.uri(key)})")
+            now = self._clock()
+            if deadline is None:
+                deadline = now + self.wait_s
+            if now >= deadline:
+                self._gave_up = True
+                raise DonorUnavailable(
+                    f"donor {what} was not uploaded within {self.wait_s:g} s ({self.store.uri(key)})"
+                )
+            self._sleep(min(self.poll_s, deadline - now))
+
+
+@dataclass
+class UploadReport:
+    prefix: str
+    objects: int
+    bytes: int
+    streamed: int  # objects uploaded while the engine ran
+
+
+class TrajectoryUploader:
+    """Writes one request's trajectory under ``prefix``; streams it while the engine runs if asked to."""
+
+    _STOP = object()
+
+    def __init__(self, store: ObjectStore, prefix: str, *, storage_dtype: StorageDType = "float32") -> None:
+        if not prefix.endswith("/"):
+            prefix += "/"
+        self.store = store
+        self.prefix = prefix
+        self.storage_dtype: StorageDType = storage_dtype
+        self._sizes: dict[str, int] = {}
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: Exception | None = None
+        self._lock = threading.Lock()
+        self.streamed = 0
+
+    # --- streaming (leader) ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin streaming: ``on_start`` / ``on_step`` enqueue, a background thread uploads in order."""
+        self._thread = threading.Thread(target=self._drain, name=f"upload-{self.prefix}", daemon=True)
+        self._thread.start()
+
+    def on_start(self, trajectory: Trajectory) -> None:
+        if self._thread is not None:
+            self._queue.put(("header", trajectory.meta, trajectory.initial))
+
+    def on_step(self, record: StepRecord) -> None:
+        if self._thread is not None:
+            self._queue.put(("step", record))
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is self._STOP:
+                return
+            if self._error is not None:
+                continue  # after a failure nothing more is streamed; ``finish`` retries what is missing
+            try:
+                assert isinstance(item, tuple)
+                if item[0] == "header":
+                    self._put_header(item[1], item[2])
+                else:
+                    self._put_step(item[1])
+                with self._lock:
+                    self.streamed += 1
+            except Exception as exc:
+                self._error = exc
+                log.warning("streaming upload failed", extra={"prefix": self.prefix, "error": str(exc)})
+
+    def stop(self) -> None:
+        """Wait for queued uploads to finish (streaming mode)."""
+        if self._thread is not None:
+            self._queue.put(self._STOP)
+            self._thread.join()
+            self._thread = None
+
+    # --- whole trajectory -----------------------------------------------------------------------------------
+    def finish(self, trajectory: Trajectory) -> UploadReport:
+        """Upload every part of ``trajectory`` not uploaded yet (header first); raises ``StoreError``."""
+        self.stop()
+        if header_key(self.prefix) not in self._sizes:
+            self._put_header(trajectory.meta, trajectory.initial)
+        for record in trajectory.steps:
+            if step_key(self.prefix, record.index) not in self._sizes:
+                self._put_step(record)
+        return UploadReport(
+            prefix=self.prefix,
+            objects=len(self._sizes),
+            bytes=sum(self._sizes.values()),
+            streamed=self.streamed,
+        )
+
+    def _put_header(self, meta: TrajectoryMeta, initial: torch.Tensor) -> None:
+        data = encode_header(meta, initial, storage_dtype=self.storage_dtype)
+        stored = self.store.put(header_key(self.prefix), data)
+        self._sizes[stored.key] = stored.size
+
+    def _put_step(self, record: StepRecord) -> None:
+        data = encode_step(record, self.storage_dtype)
+        stored = self.store.put(step_key(self.prefix, record.index), data)
+        self._sizes[stored.key] = stored.size

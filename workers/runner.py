@@ -1,0 +1,361 @@
+"""What a worker does with one ``WorkOrder``: donor → engine → video → S3 → results topic.
+
+One ``Runner`` per process and settings (``runner_for``); one loaded model + ``Engine`` per process and model
+(``engine_for``), loaded on the first order for that model with its load time logged.
+
+Donor handling never fails a request: a donor that is missing, corrupt, unreadable or incompatible makes the
+request run in full, and the result's ``fallback`` says why. A request that fails for any other reason (model
+not loadable, engine error, video encoding, the video upload, the soft time limit) is answered with a ``failed``
+result carrying an error code and message. The result keeps the scheduler's plan and donor as they were planned;
+``fallback`` and ``steps_computed`` tell what actually happened.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from celery.exceptions import SoftTimeLimitExceeded
+from pydantic import ValidationError
+
+from producer.contract import GenerationResult, ReusePlan
+from workers.donors import S3DonorSource, TrajectoryUploader
+from workers.engine.engine import Engine, GenerationOutput
+from workers.engine.errors import CorruptTrajectory, DonorUnavailable, IncompatibleDonor, ModelUnavailable
+from workers.engine.registry import load_bundle
+from workers.engine.trajectory import StepRecord
+from workers.orders import Role, WorkOrder, trajectory_prefix, video_key
+from workers.results import (
+    FailureCode,
+    PhaseClock,
+    ResultPublisher,
+    done_result,
+    failed_result,
+    queue_seconds,
+    salvage_ids,
+)
+from workers.settings import WorkerSettings
+from workers.store import ObjectStore, StoreError, store_for
+
+log = logging.getLogger(__name__)
+
+VIDEO_CONTENT_TYPES = {"mp4": "video/mp4", "gif": "image/gif"}
+Progress = Callable[[int, int], None]
+
+
+# --- models: loaded once per process ------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    engine: Engine
+    load_s: float
+    lock: threading.Lock
+
+
+_MODELS: dict[tuple[str, ...], LoadedModel] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def engine_for(model: str, settings: WorkerSettings) -> LoadedModel:
+    """The process' engine for ``model`` on the configured device/dtype, loading it on first use."""
+    key = (model, settings.device, settings.dtype, str(settings.wan21_dir), str(settings.toy_weights_dir))
+    with _MODELS_LOCK:
+        loaded = _MODELS.get(key)
+        if loaded is None:
+            start = time.perf_counter()
+            bundle = load_bundle(
+                model,
+                device=settings.device,
+                dtype=settings.dtype,
+                wan21_dir=settings.wan21_dir,
+                toy_weights_dir=settings.toy_weights_dir,
+            )
+            loaded = LoadedModel(Engine(bundle), time.perf_counter() - start, threading.Lock())
+            _MODELS[key] = loaded
+            log.info(
+                "model loaded",
+                extra={
+                    "model": model,
+                    "device": settings.device,
+                    "dtype": settings.dtype,
+                    "load_s": round(loaded.load_s, 3),
+                    "weights_id": bundle.weights_id,
+                },
+            )
+    return loaded
+
+
+def loaded_models() -> list[str]:
+    return sorted({key[0] for key in _MODELS})
+
+
+# --- the runner ---------------------------------------------------------------------------------------------
+
+
+class Runner:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        store: ObjectStore | None = None,
+        publisher: ResultPublisher | None = None,
+    ) -> None:
+        self.settings = settings
+        self._store = store
+        self.publisher = publisher or ResultPublisher(settings)
+
+    @property
+    def store(self) -> ObjectStore:
+        if self._store is None:
+            self._store = store_for(self.settings)
+        return self._store
+
+    def handle(
+        self,
+        order_json: str,
+        *,
+        worker: str | None = None,
+        attempt: int = 1,
+        progress: Progress | None = None,
+    ) -> GenerationResult:
+        """Run one order and publish its result (raises ``ResultNotPublished`` only if Kafka refuses it)."""
+        try:
+            order = WorkOrder.model_validate_json(order_json)
+        except ValidationError as exc:
+            request_id, tenant = salvage_ids(order_json)
+            message = f"work order does not validate: {exc}"
+            log.error("work order rejected", extra={"request_id": request_id, "error": message[:500]})
+            result = failed_result(
+                request_id or "<unknown>", FailureCode.INVALID_ORDER, message, tenant=tenant, worker=worker
+            )
+            if request_id is not None:
+                self.publisher.publish(result)
+            return result
+
+        request_id = order.request.request_id
+        if attempt > self.settings.task_max_attempts:
+            message = (
+                f"delivered {attempt} times (limit {self.settings.task_max_attempts}); "
+                "earlier attempts ended without a result (worker lost?)"
+            )
+            log.error("order given up", extra={"request_id": request_id, "attempt": attempt})
+            result = failed_result(
+                request_id, FailureCode.TOO_MANY_ATTEMPTS, message, order=order, worker=worker
+            )
+        else:
+            result = self._run_safely(order, worker, progress)
+        self.publisher.publish(result)
+        return result
+
+    def _run_safely(
+        self, order: WorkOrder, worker: str | None, progress: Progress | None
+    ) -> GenerationResult:
+        clock = PhaseClock()
+        queue_s = queue_seconds(order.accepted_at)
+        request_id = order.request.request_id
+        code: str
+        try:
+            return self._run(order, worker, clock, queue_s, progress)
+        except SoftTimeLimitExceeded:
+            code, message = (
+                FailureCode.TIME_LIMIT,
+                f"soft time limit of {self.settings.task_soft_time_limit_s:g} s",
+            )
+        except ModelUnavailable as exc:
+            code, message = FailureCode.MODEL_UNAVAILABLE, str(exc)
+        except VideoError as exc:
+            code, message = FailureCode.VIDEO_ERROR, str(exc)
+        except StoreError as exc:
+            code, message = FailureCode.STORE_ERROR, str(exc)
+        except Exception as exc:
+            code, message = FailureCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}"
+            log.exception("order failed", extra={"request_id": request_id})
+        log.error("order failed", extra={"request_id": request_id, "code": code, "error": message[:500]})
+        return failed_result(
+            request_id, code, message, order=order, timings=clock.timings(queue_s), worker=worker
+        )
+
+    def _run(
+        self,
+        order: WorkOrder,
+        worker: str | None,
+        clock: PhaseClock,
+        queue_s: float,
+        progress: Progress | None,
+    ) -> GenerationResult:
+        request, plan = order.request, order.plan
+        request_id = request.request_id
+        loaded = engine_for(request.model, self.settings)
+        full = ReusePlan.full(request.num_steps)
+        fallbacks: list[str] = []
+        source: S3DonorSource | None = None
+        run_plan = plan
+        donor = order.donor
+
+        if plan.reuses and donor is None:
+            fallbacks.append("the plan reuses a donor but the order names none: computed in full")
+            run_plan = full
+        elif plan.reuses and donor is not None:
+            if order.role is Role.FOLLOWER:
+                # The leader is still running: wait for each of its steps, up to wait_s.
+                source = S3DonorSource(
+                    self.store,
+                    donor.trajectory_prefix,
+                    wait_s=donor.wait_s,
+                    poll_s=self.settings.follower_poll_s,
+                )
+            else:
+                candidate = S3DonorSource(self.store, donor.trajectory_prefix)
+                needed = range(min(plan.stage1_steps + plan.stage2_steps, request.num_steps))
+                with clock.phase("fetch"):
+                    try:
+                        candidate.prefetch(needed)
+                        source = candidate
+                    except (DonorUnavailable, CorruptTrajectory) as exc:
+                        fallbacks.append(f"donor {donor.request_id} unusable ({exc}): computed in full")
+                        run_plan = full
+                if source is not None:
+                    log.info(
+                        "donor fetched",
+                        extra={
+                            "request_id": request_id,
+                            "donor": donor.request_id,
+                            "steps": len(needed),
+                            "bytes": candidate.bytes_read,
+                        },
+                    )
+        log.info(
+            "order started",
+            extra={
+                "request_id": request_id,
+                "model": request.model,
+                "role": str(order.role),
+                "donor": donor.request_id if donor else None,
+                "similarity": donor.similarity if donor else None,
+                "plan": f"{run_plan.stage1_steps}/{run_plan.stage2_steps}/{run_plan.stage3_steps}",
+                "queue_s": round(queue_s, 3),
+            },
+        )
+
+        uploader = TrajectoryUploader(
+            self.store, trajectory_prefix(request_id), storage_dtype=self.settings.trajectory_dtype
+        )
+        if order.role is Role.LEADER:
+            uploader.start()
+        try:
+            with loaded.lock:
+                try:
+                    output = self._generate(loaded.engine, order, run_plan, source, uploader, clock, progress)
+                except IncompatibleDonor as exc:
+                    fallbacks.append(f"incompatible donor ({exc}): computed in full")
+                    log.warning("incompatible donor", extra={"request_id": request_id, "error": str(exc)})
+                    output = self._generate(loaded.engine, order, full, None, uploader, clock, progress)
+        finally:
+            uploader.stop()
+        if output.fallback:
+            fallbacks.append(output.fallback)
+
+        fmt = self.settings.video_format
+        with clock.phase("decode"):
+            video_bytes = encode_video(output, fmt)
+        with clock.phase("upload"):
+            video = self.store.put(video_key(request_id, fmt), video_bytes, VIDEO_CONTENT_TYPES[fmt])
+            trajectory_uri: str | None = None
+            trajectory_bytes = 0
+            try:
+                report = uploader.finish(output.trajectory)
+                trajectory_uri = self.store.uri(report.prefix)
+                trajectory_bytes = report.bytes
+            except StoreError as exc:
+                # The request is still served; it just cannot become a donor.
+                log.warning("trajectory not stored", extra={"request_id": request_id, "error": str(exc)})
+        result = done_result(
+            order,
+            video_uri=video.uri,
+            trajectory_uri=trajectory_uri,
+            trajectory_bytes=trajectory_bytes,
+            steps_computed=output.steps_computed,
+            tokens_computed_fraction=output.tokens_computed_fraction,
+            fallback="; ".join(fallbacks) if fallbacks else None,
+            timings=clock.timings(queue_s),
+            worker=worker,
+        )
+        log.info(
+            "order done",
+            extra={
+                "request_id": request_id,
+                "steps_computed": result.steps_computed,
+                "steps_requested": result.steps_requested,
+                "tokens_computed_fraction": round(result.tokens_computed_fraction, 4),
+                "fallback": result.fallback,
+                "video_uri": result.video_uri,
+                "trajectory_bytes": result.trajectory_bytes,
+                **{k: round(v, 4) for k, v in result.timings.model_dump().items()},
+            },
+        )
+        return result
+
+    def _generate(
+        self,
+        engine: Engine,
+        order: WorkOrder,
+        plan: ReusePlan,
+        source: S3DonorSource | None,
+        uploader: TrajectoryUploader,
+        clock: PhaseClock,
+        progress: Progress | None,
+    ) -> GenerationOutput:
+        total = order.request.num_steps
+
+        def on_step(record: StepRecord) -> None:
+            uploader.on_step(record)
+            done = record.index + 1
+            log.debug("step done", extra={"request_id": order.request.request_id, "step": done, "of": total})
+            if progress is not None:
+                progress(done, total)
+
+        waited_before = source.busy_s if source is not None else 0.0
+        start = time.perf_counter()
+        output = engine.generate(
+            order.request, plan, source, on_step=on_step, on_start=uploader.on_start, progress=False
+        )
+        wall = time.perf_counter() - start
+        waited = (source.busy_s - waited_before) if source is not None else 0.0
+        # Time blocked on the donor (downloads and waiting for a leader) counts as fetch, not denoise.
+        clock.add("fetch", waited)
+        clock.add("decode", output.decode_seconds)
+        clock.add("denoise", wall - waited - output.decode_seconds)
+        return output
+
+
+class VideoError(RuntimeError):
+    """The frames could not be encoded as a video."""
+
+
+def encode_video(output: GenerationOutput, fmt: str) -> bytes:
+    try:
+        video = importlib.import_module("workers.video")
+    except ModuleNotFoundError as exc:
+        raise VideoError(f"no video encoder: {exc}") from exc
+    try:
+        data: bytes = video.encode_video(output.frames, fmt=fmt, fps=output.fps)
+        return data
+    except Exception as exc:
+        raise VideoError(f"cannot encode {output.frames.shape} frames as {fmt}: {exc}") from exc
+
+
+_RUNNERS: dict[str, Runner] = {}
+
+
+def runner_for(settings: WorkerSettings) -> Runner:
+    """One runner (store, Kafka producer) per process and distinct settings."""
+    key = settings.model_dump_json()
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        runner = _RUNNERS[key] = Runner(settings)
+    return runner
