@@ -1,15 +1,271 @@
-"""CLI commands of this package."""
+"""``chorus generate`` and ``chorus bench engine``. Heavy imports (torch, diffusers) happen inside the commands.
+
+``chorus generate`` makes one video with any registry model, on the device/dtype/model directories of
+``WorkerSettings`` (``CHORUS_DEVICE``, ``CHORUS_DTYPE``, ``CHORUS_WAN21_DIR``, ``CHORUS_TOY_WEIGHTS_DIR``), optionally
+reusing a saved trajectory (``--donor``) with a plan (``--k1/--k2/--k3/--alpha``), and can save its own trajectory
+(``--save-trajectory``) for a later ``--donor``.
+
+Exit codes: 0 done; 2 bad input (contract, plan, donor file, incompatible donor, model not loadable).
+"""
 
 from __future__ import annotations
 
-from producer.unbuilt import not_built
+import json
+import logging
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+_err = Console(stderr=True)
 
 
-def generate() -> None:
-    """Not built yet."""
-    not_built("generate", "[engine]")
+def _fail(message: str) -> NoReturn:
+    _err.print(f"[bold red]error:[/] {escape(message)}")
+    raise typer.Exit(code=2)
 
 
-def bench_engine() -> None:
-    """Not built yet."""
-    not_built("bench engine", "[engine]")
+def _setup_logging(verbose: bool) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(name)s: %(message)s",
+        handlers=[RichHandler(console=_err, show_path=False)],
+        force=True,
+    )
+
+
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="What the video shows."),
+    model: str = typer.Option(
+        "toy", "--model", "-m", help="Registry model: toy, tiny-random-wan, wan2.1-t2v-1.3b."
+    ),
+    negative_prompt: str | None = typer.Option(None, help="Negative prompt (used when guidance > 1)."),
+    steps: int | None = typer.Option(None, "--steps", "-n", help="Denoising steps (default: the model's)."),
+    seed: int = typer.Option(0, help="Noise seed."),
+    frames: int | None = typer.Option(None, "--frames", help="Number of frames (default: the model's)."),
+    height: int | None = typer.Option(None, help="Height in pixels (default: the model's)."),
+    width: int | None = typer.Option(None, help="Width in pixels (default: the model's)."),
+    guidance: float | None = typer.Option(None, "--guidance", "-g", help="CFG scale (default: the model's)."),
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="Video file (default chorus-<id>.<format>)."
+    ),
+    fmt: str | None = typer.Option(
+        None, "--format", help="mp4 or gif (default: the output's suffix, else CHORUS_VIDEO_FORMAT)."
+    ),
+    fps: int | None = typer.Option(None, help="Frames per second of the video (default: the model's)."),
+    donor: Path | None = typer.Option(None, help="A trajectory file (from --save-trajectory) to reuse."),
+    k1: int | None = typer.Option(
+        None, help="Stage-1 steps: taken whole from the donor (default 20% of steps)."
+    ),
+    k2: int | None = typer.Option(
+        None, help="Stage-2 steps: selective region denoising (default 40% of steps)."
+    ),
+    k3: int | None = typer.Option(None, help="Stage-3 steps: full repair (default: the rest)."),
+    alpha: float = typer.Option(1.0, help="TGAA amplification of the differing prompt tokens (1 = off)."),
+    mask_threshold: float = typer.Option(
+        0.5, help="Stage-2 mask threshold on the normalized attention score."
+    ),
+    min_active: float = typer.Option(0.05, help="Minimum fraction of tokens recomputed in a Stage-2 step."),
+    max_active: float = typer.Option(1.0, help="Maximum fraction of tokens recomputed in a Stage-2 step."),
+    save_trajectory: Path | None = typer.Option(None, help="Write this request's trajectory here."),
+    trajectory_dtype: str = typer.Option(
+        "float16", help="Storage dtype of --save-trajectory: float32 or float16."
+    ),
+    device: str | None = typer.Option(None, help="Torch device (default CHORUS_DEVICE)."),
+    dtype: str | None = typer.Option(None, help="float32, float16 or bfloat16 (default CHORUS_DTYPE)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log the engine's decisions (INFO)."),
+) -> None:
+    """Generate one video from a prompt, optionally reusing a saved trajectory."""
+    _setup_logging(verbose)
+    from pydantic import ValidationError
+
+    from producer.contract import ContractError, ReusePlan, build_request
+    from workers.settings import WorkerSettings
+
+    settings = WorkerSettings()
+    fields: dict[str, Any] = {"prompt": prompt, "model": model, "seed": seed}
+    for key, value in (
+        ("negative_prompt", negative_prompt),
+        ("num_steps", steps),
+        ("num_frames", frames),
+        ("height", height),
+        ("width", width),
+        ("guidance_scale", guidance),
+    ):
+        if value is not None:
+            fields[key] = value
+    try:
+        request = build_request(**fields)
+    except ContractError as exc:
+        _fail("; ".join(str(i) for i in exc.issues))
+
+    n = request.num_steps
+    if donor is None:
+        if any(v is not None for v in (k1, k2, k3)):
+            _fail("--k1/--k2/--k3 need a --donor trajectory")
+        plan = ReusePlan.full(n)
+    else:
+        s1 = k1 if k1 is not None else round(0.2 * n)
+        s2 = k2 if k2 is not None else round(0.4 * n)
+        s3 = k3 if k3 is not None else n - s1 - s2
+        if s1 + s2 + s3 != n or min(s1, s2, s3) < 0:
+            _fail(f"--k1 {s1} + --k2 {s2} + --k3 {s3} must add up to the {n} steps")
+        try:
+            plan = ReusePlan(
+                stage1_steps=s1,
+                stage2_steps=s2,
+                stage3_steps=s3,
+                alpha=alpha,
+                mask_threshold=mask_threshold,
+                min_active_fraction=min_active,
+                max_active_fraction=max_active,
+            )
+        except ValidationError as exc:
+            _fail(f"bad plan: {exc.errors()[0]['msg']}")
+    if trajectory_dtype not in ("float32", "float16"):
+        _fail("--trajectory-dtype must be float32 or float16")
+
+    video_fmt = fmt or (
+        output.suffix.lstrip(".").lower() if output and output.suffix else settings.video_format
+    )
+    if video_fmt not in ("mp4", "gif"):
+        _fail(f"--format must be mp4 or gif, not {video_fmt!r}")
+    out_path = output or Path(f"chorus-{request.request_id[:8]}.{video_fmt}")
+
+    from workers.engine.engine import Engine
+    from workers.engine.errors import CorruptTrajectory, IncompatibleDonor, ModelUnavailable
+    from workers.engine.registry import load_bundle
+    from workers.engine.trajectory import Trajectory
+    from workers.video import encode_video
+
+    donor_traj = None
+    if donor is not None:
+        try:
+            donor_traj = Trajectory.load(donor)
+        except (OSError, CorruptTrajectory) as exc:
+            _fail(f"cannot read donor trajectory {donor}: {exc}")
+    try:
+        with _err.status(f"loading {model}…"):
+            bundle = load_bundle(
+                model,
+                device=device or settings.device,
+                dtype=dtype or settings.dtype,
+                wan21_dir=settings.wan21_dir,
+                toy_weights_dir=settings.toy_weights_dir,
+            )
+    except (ModelUnavailable, ValueError) as exc:
+        _fail(str(exc))
+    engine = Engine(bundle)
+    try:
+        result = engine.generate(request, plan, donor=donor_traj, progress=not as_json)
+    except IncompatibleDonor as exc:
+        _fail(str(exc))
+    data = encode_video(result.frames, fmt=video_fmt, fps=fps or result.fps)
+    out_path.write_bytes(data)
+    traj_bytes = None
+    if save_trajectory is not None:
+        traj_bytes = result.trajectory.save(save_trajectory, trajectory_dtype)  # type: ignore[arg-type]
+
+    summary = {
+        **result.summary(),
+        "model": model,
+        "plan": plan.model_dump(),
+        "output": str(out_path),
+        "video_bytes": len(data),
+        "trajectory": str(save_trajectory) if save_trajectory else None,
+        "trajectory_bytes": traj_bytes,
+    }
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    console = Console()
+    table = Table(show_header=False, box=None)
+    table.add_row("video", f"{out_path} ({len(data):,} bytes, {video_fmt}, {result.frames.shape[0]} frames)")
+    table.add_row("request", f"{request.request_id}  model {model}  seed {request.seed}")
+    table.add_row(
+        "steps",
+        f"{result.steps_computed}/{result.steps_requested} computed, "
+        f"{result.tokens_computed_fraction:.1%} of tokens",
+    )
+    stages = "  ".join(f"stage {k}: {v:.2f}s" for k, v in result.stage_seconds.items() if v > 0)
+    table.add_row("time", f"{stages}  decode {result.decode_seconds:.2f}s")
+    if donor_traj is not None:
+        table.add_row(
+            "donor",
+            f"{donor_traj.meta.request_id} (k1={plan.stage1_steps} k2={plan.stage2_steps} "
+            f"k3={plan.stage3_steps} α={plan.alpha})",
+        )
+    if result.fallback:
+        table.add_row("fallback", escape(result.fallback))
+    if save_trajectory is not None:
+        table.add_row("trajectory", f"{save_trajectory} ({traj_bytes:,} bytes, {trajectory_dtype})")
+    console.print(table)
+
+
+def bench_engine(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (otherwise a table)."),
+    configs: str = typer.Option("tiny,mid", help="Comma-separated configs: tiny, mid."),
+    steps: int = typer.Option(4, min=3, help="Denoising steps per measured request."),
+    repeats: int = typer.Option(
+        3, min=1, help="Rounds (a full request + one SRD request per fraction) per config."
+    ),
+    threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Also write the JSON here."),
+) -> None:
+    """Time full and SRD steps of the engine (tiny and a Wan2.1-1.3B-width config); print trajectory sizes."""
+    import torch
+
+    from workers.bench.engine import run_bench
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    try:
+        report = run_bench(
+            names, steps=steps, repeats=repeats, log=lambda m: _err.print(f"[dim]{escape(m)}[/]")
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    text = json.dumps(report, indent=2)
+    if output is not None:
+        output.write_text(text + "\n")
+    if as_json:
+        typer.echo(text)
+        return
+    table = Table(title="chorus bench engine (medians)")
+    for col in (
+        "config",
+        "tokens",
+        "full step s",
+        "f",
+        "SRD step s",
+        "ratio wall/cpu",
+        "target",
+        "ok",
+        "pass ratio",
+        "traj fp32/fp16 B",
+    ):
+        table.add_column(col)
+    for cfg in report["configs"]:
+        tb = cfg["trajectory_bytes_per_request"]
+        for row in cfg["srd"]:
+            p = cfg["transformer_pass"][str(row["active_fraction"])]
+            table.add_row(
+                cfg["config"],
+                str(cfg["request"]["tokens"]),
+                f"{cfg['full_step']['wall_s']:.4f}",
+                str(row["active_fraction"]),
+                f"{row['step']['wall_s']:.4f}",
+                f"{row['ratio_wall']:.3f} / {row['ratio_cpu']:.3f}",
+                f"≤ {row['target_ratio']:.2f}",
+                "yes" if row["meets_target"] else "NO",
+                f"{p['ratio_wall']:.3f}",
+                f"{tb['float32']:,} / {tb['float16']:,}",
+            )
+    Console().print(table)

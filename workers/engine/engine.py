@@ -152,6 +152,8 @@ class _Run:
     diff: TokenDiff | None = None
     donor_maps: dict[int, torch.Tensor] = field(default_factory=dict)
     own_prev_maps: torch.Tensor | None = None
+    # (donor map rows, target map rows) of the prompt tokens both requests share
+    map_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def seq_len(self) -> int:
@@ -520,12 +522,16 @@ class Engine:
         out = torch.zeros(sum(run.cond.valid), run.seq_len)
         if dmaps is None:
             return out
-        drow = {p: r for r, p in enumerate(run.donor_meta.valid_positions)}
-        trow = {p: r for r, p in enumerate(run.meta.valid_positions)}
-        pairs = [(drow[d], trow[t]) for d, t in run.diff.matched if d in drow and t in trow]
-        if pairs:
-            src = torch.tensor([p[0] for p in pairs])
-            dst = torch.tensor([p[1] for p in pairs])
+        if run.map_rows is None:
+            drow = {p: r for r, p in enumerate(run.donor_meta.valid_positions)}
+            trow = {p: r for r, p in enumerate(run.meta.valid_positions)}
+            pairs = [(drow[d], trow[t]) for d, t in run.diff.matched if d in drow and t in trow]
+            run.map_rows = (
+                torch.tensor([p[0] for p in pairs], dtype=torch.long),
+                torch.tensor([p[1] for p in pairs], dtype=torch.long),
+            )
+        src, dst = run.map_rows
+        if src.numel():
             out[dst] = dmaps[src].float()
         return out
 

@@ -128,7 +128,7 @@ def check_compatible(donor: TrajectoryMeta, target: TrajectoryMeta) -> None:
             f"scheduler: donor {donor.scheduler}#{donor.scheduler_hash[:12]} != "
             f"request {target.scheduler}#{target.scheduler_hash[:12]}"
         )
-    elif len(donor.timesteps) != len(target.timesteps) or any(
+    elif not problems and any(
         not math.isclose(a, b, rel_tol=0, abs_tol=1e-4)
         for a, b in zip(donor.timesteps, target.timesteps, strict=False)
     ):

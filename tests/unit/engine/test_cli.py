@@ -1,0 +1,93 @@
+"""``chorus generate`` and ``chorus bench engine`` on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from producer.cli import app
+from workers.video import read_video
+
+runner = CliRunner()
+SMALL = ["-m", "tiny-random-wan", "-n", "4", "--frames", "4", "--height", "32", "--width", "32"]
+
+
+def test_generate_then_reuse(tmp_path):
+    video = tmp_path / "a.mp4"
+    traj = tmp_path / "a.safetensors"
+    r = runner.invoke(
+        app,
+        [
+            "generate",
+            "-p",
+            "a red circle moving left",
+            *SMALL,
+            "-o",
+            str(video),
+            "--save-trajectory",
+            str(traj),
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["steps_computed"] == 4 and summary["trajectory_bytes"] == traj.stat().st_size
+    assert read_video(video).shape == (4, 32, 32, 3)
+
+    gif = tmp_path / "b.gif"
+    r = runner.invoke(
+        app,
+        [
+            "generate",
+            "-p",
+            "a blue circle moving left",
+            *SMALL,
+            "-o",
+            str(gif),
+            "--donor",
+            str(traj),
+            "--k1",
+            "1",
+            "--k2",
+            "2",
+            "--alpha",
+            "2",
+            "--max-active",
+            "0.5",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["donor"] is not None and summary["steps_computed"] == 3
+    assert summary["tokens_computed_fraction"] <= (0 + 0.5 + 0.5 + 1) / 4 + 1e-9
+    assert gif.read_bytes().startswith(b"GIF8")
+
+
+def test_generate_rejects_bad_input(tmp_path):
+    r = runner.invoke(app, ["generate", "-p", "x", "-m", "tiny-random-wan", "--height", "17"])
+    assert r.exit_code == 2 and "multiple of 16" in r.output
+    r = runner.invoke(app, ["generate", "-p", "x", *SMALL, "--k1", "1"])
+    assert r.exit_code == 2 and "--donor" in r.output
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage")
+    r = runner.invoke(app, ["generate", "-p", "x", *SMALL, "--donor", str(bad)])
+    assert r.exit_code == 2 and "cannot read donor" in r.output
+    r = runner.invoke(app, ["generate", "-p", "x", *SMALL, "--format", "avi"])
+    assert r.exit_code == 2
+
+
+def test_bench_engine_json_tiny():
+    r = runner.invoke(
+        app, ["bench", "engine", "--json", "--configs", "tiny", "--steps", "3", "--repeats", "1"]
+    )
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    (cfg,) = report["configs"]
+    assert cfg["config"] == "tiny" and cfg["full_step"]["wall_s"] > 0 and cfg["full_step"]["n"] == 2
+    assert [row["active_fraction"] for row in cfg["srd"]] == [0.25, 0.5]
+    assert all(row["achieved_active_fraction"] == row["active_fraction"] for row in cfg["srd"])
+    assert all(row["step"]["n"] == 1 for row in cfg["srd"])
+    assert set(cfg["transformer_pass"]) == {"full", "0.25", "0.5"}
+    assert cfg["trajectory_bytes_per_request"]["float16"] < cfg["trajectory_bytes_per_request"]["float32"]

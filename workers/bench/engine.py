@@ -1,0 +1,305 @@
+"""``chorus bench engine``: what a full denoising step and an SRD step cost on this machine.
+
+For each config (``tiny``: the ``tiny-random-wan`` registry model at its catalog default shape; ``mid``: a
+Wan2.1-1.3B-width transformer with 2 blocks at a CPU-sized token count, CFG on as in Wan) it runs, through the real
+``Engine.generate``:
+
+1. a warm-up request (not measured);
+2. ``rounds`` times: a full request, then for each active fraction ``f`` a request reusing it as donor with a
+   colour-swapped prompt (Stage 1 = 1 step, every other step Stage 2 with the active fraction pinned to ``f`` by
+   ``min_active_fraction = max_active_fraction = f``, TGAA α = 2, attention maps recorded as always).
+
+Step time = the engine's per-step wall time (``StepStat.seconds``: mask building, transformer pass, donor mixing,
+scheduler step) and the process CPU time between ``on_step`` callbacks. The first computed step of each request
+also projects the prompt (text embedder and cross-attention K/V, cached for the later steps); it is excluded from
+the step medians and reported as ``first_computed_step``. ``ratio_*`` = median SRD step / median full step;
+the target is ``f + 0.1``. Also reported: interleaved transformer passes alone (full vs gathered subsets), the
+plain uninstrumented diffusers forward on the same input, and the bytes of one request's trajectory.
+
+The machine is shared, so every number is a median and both wall and CPU time are given.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FRACTIONS = (0.25, 0.5)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    description: str
+    num_frames: int
+    height: int
+    width: int
+    guidance_scale: float
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    "tiny": BenchConfig("tiny", "tiny-random-wan at its catalog default shape", 8, 32, 32, 1.0),
+    "mid": BenchConfig(
+        "mid",
+        "Wan2.1-1.3B width (12 heads x 128, ffn 8960, 4096-d text, 512 text tokens), 2 blocks, CFG 5",
+        4,
+        256,
+        256,
+        5.0,
+    ),
+}
+
+
+def _bundle(name: str) -> Any:
+    from producer.catalog import CATALOG
+    from workers.engine.registry import MID_CONFIG, build_random_wan_bundle, load_bundle
+
+    if name == "tiny":
+        return load_bundle("tiny-random-wan")
+    return build_random_wan_bundle(MID_CONFIG, spec=CATALOG["tiny-random-wan"], name="bench-mid-wan")
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+@dataclass
+class _Samples:
+    wall: list[float]
+    cpu: list[float]
+
+    @classmethod
+    def empty(cls) -> _Samples:
+        return cls([], [])
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "wall_s": round(_median(self.wall), 5),
+            "cpu_s": round(_median(self.cpu), 5),
+            "n": len(self.wall),
+        }
+
+
+class _StepClock:
+    """Per-step wall time from the engine (``StepStat.seconds``) and process CPU time between ``on_step`` calls."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[int, float] = {}
+        self._last = 0.0
+
+    def start(self, _traj: Any) -> None:
+        self._last = time.process_time()
+
+    def step(self, rec: Any) -> None:
+        now = time.process_time()
+        self.cpu[rec.index] = now - self._last
+        self._last = now
+
+
+def run_config(
+    config: BenchConfig,
+    *,
+    steps: int = 4,
+    repeats: int = 3,
+    fractions: tuple[float, ...] = FRACTIONS,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    from producer.contract import ReusePlan, build_request
+    from workers.engine.engine import Engine
+
+    t_build = time.perf_counter()
+    bundle = _bundle(config.name)
+    engine = Engine(bundle)
+    build_s = time.perf_counter() - t_build
+    common = {
+        "model": bundle.spec.name,
+        "num_frames": config.num_frames,
+        "height": config.height,
+        "width": config.width,
+        "num_steps": steps,
+        "guidance_scale": config.guidance_scale,
+    }
+    donor_req = build_request(prompt="a red circle moving left on a white background", seed=1, **common)
+    target_req = build_request(prompt="a blue circle moving left on a white background", seed=2, **common)
+
+    def timed(request: Any, plan: Any, donor: Any, stage: int) -> tuple[Any, _Samples, _Samples]:
+        clock = _StepClock()
+        out = engine.generate(request, plan, donor=donor, on_start=clock.start, on_step=clock.step)
+        chosen = [s for s in out.steps if s.stage == stage and s.computed]
+        # the first computed step of a request also projects the prompt (text embedder, cross-attention K/V);
+        # later steps reuse that, so it is reported apart
+        first, rest = _Samples.empty(), _Samples.empty()
+        for k, s in enumerate(chosen):
+            target = first if k == 0 else rest
+            target.wall.append(s.seconds)
+            target.cpu.append(clock.cpu[s.index])
+        return out, first, rest
+
+    log(f"{config.name}: warm-up")
+    engine.generate(donor_req, ReusePlan.full(steps))
+
+    full, full_first = _Samples.empty(), _Samples.empty()
+    srd = {f: _Samples.empty() for f in fractions}
+    achieved: dict[float, list[float]] = {f: [] for f in fractions}
+    traj_bytes: dict[str, int] = {}
+    for r in range(repeats):
+        log(f"{config.name}: round {r + 1}/{repeats}: full request")
+        out, first, rest = timed(donor_req, ReusePlan.full(steps), None, 3)
+        full.wall += rest.wall
+        full.cpu += rest.cpu
+        full_first.wall += first.wall
+        full_first.cpu += first.cpu
+        if not traj_bytes:
+            traj = out.trajectory
+            traj_bytes = {
+                "float32": len(traj.to_bytes("float32")),
+                "float16": len(traj.to_bytes("float16")),
+                "payload_float32": traj.nbytes("float32"),
+            }
+        for f in fractions:
+            log(f"{config.name}: round {r + 1}/{repeats}: SRD at active fraction {f}")
+            plan = ReusePlan(
+                stage1_steps=1,
+                stage2_steps=steps - 1,
+                stage3_steps=0,
+                alpha=2.0,
+                min_active_fraction=f,
+                max_active_fraction=f,
+            )
+            o, _, rest = timed(target_req, plan, out.trajectory, 2)
+            srd[f].wall += rest.wall
+            srd[f].cpu += rest.cpu
+            achieved[f].extend(s.active_fraction for s in o.steps if s.stage == 2)
+
+    # Transformer passes alone, interleaved (full, then each fraction, per round): the SRD hooks' own scaling,
+    # less exposed to other load on the machine than whole requests.
+    log(f"{config.name}: interleaved transformer passes")
+    meta = out.trajectory.meta
+    batch = 2 if config.guidance_scale > 1.0 else 1
+    seq = meta.num_tokens
+    x = torch.randn(batch, *meta.latent_shape)
+    text = torch.cat([bundle.encode_prompt(donor_req.prompt).embeddings] * batch)
+    ts = torch.full((batch,), 500.0)
+    inst = engine._inst
+    passes = {"full": _Samples.empty(), **{str(f): _Samples.empty() for f in fractions}}
+
+    def one_pass(idx: torch.Tensor | None) -> tuple[float, float]:
+        if idx is not None:
+            inst.srd.activate(idx, seq)
+        inst.attn.start_maps(meta.valid_positions, cond_row=0, device=bundle.device)
+        w, c = time.perf_counter(), time.process_time()
+        try:
+            with torch.no_grad():
+                bundle.transformer(
+                    hidden_states=x, timestep=ts, encoder_hidden_states=text, return_dict=False
+                )
+        finally:
+            inst.srd.deactivate()
+            inst.attn.collect_maps()
+        return time.perf_counter() - w, time.process_time() - c
+
+    gen = torch.Generator().manual_seed(0)
+    subsets = {f: torch.randperm(seq, generator=gen)[: round(f * seq)].sort().values for f in fractions}
+    one_pass(None)
+    for _ in range(max(3, 2 * repeats)):
+        for key, idx in (("full", None), *((str(f), subsets[f]) for f in fractions)):
+            w, c = one_pass(idx)
+            passes[key].wall.append(w)
+            passes[key].cpu.append(c)
+    inst.reset()
+
+    # the plain diffusers transformer (hooks and processors removed) on the same input, for reference
+    engine.close()
+    plain = _Samples.empty()
+    with torch.no_grad():
+        for _ in range(max(2, repeats)):
+            w, c = time.perf_counter(), time.process_time()
+            bundle.transformer(hidden_states=x, timestep=ts, encoder_hidden_states=text, return_dict=False)
+            plain.wall.append(time.perf_counter() - w)
+            plain.cpu.append(time.process_time() - c)
+
+    full_sum = full.summary()
+    pass_full = passes["full"].summary()
+    cfg_t = bundle.transformer.config
+    result: dict[str, Any] = {
+        "config": config.name,
+        "description": config.description,
+        "transformer": {
+            "layers": int(cfg_t.num_layers),
+            "heads": int(cfg_t.num_attention_heads),
+            "head_dim": int(cfg_t.attention_head_dim),
+            "ffn_dim": int(cfg_t.ffn_dim),
+            "text_dim": int(cfg_t.text_dim),
+            "parameters": sum(p.numel() for p in bundle.transformer.parameters()),
+        },
+        "request": {
+            "num_frames": config.num_frames,
+            "height": config.height,
+            "width": config.width,
+            "latent_shape": list(meta.latent_shape),
+            "tokens": meta.num_tokens,
+            "text_tokens": len(meta.token_ids),
+            "guidance_scale": config.guidance_scale,
+            "cfg_batch": batch,
+            "steps": steps,
+        },
+        "rounds": repeats,
+        "build_seconds": round(build_s, 3),
+        "full_step": full_sum,
+        "first_computed_step": full_first.summary(),
+        "srd": [],
+        "transformer_pass": {"full": pass_full},
+        "plain_transformer_forward": plain.summary(),
+        "trajectory_bytes_per_request": traj_bytes,
+    }
+    for f in fractions:
+        step = srd[f].summary()
+        ratio_wall = step["wall_s"] / full_sum["wall_s"]
+        ratio_cpu = step["cpu_s"] / full_sum["cpu_s"]
+        result["srd"].append(
+            {
+                "active_fraction": f,
+                "achieved_active_fraction": round(_median(achieved[f]), 4),
+                "step": step,
+                "ratio_wall": round(ratio_wall, 4),
+                "ratio_cpu": round(ratio_cpu, 4),
+                "target_ratio": round(f + 0.1, 4),
+                "meets_target": bool(ratio_wall <= f + 0.1 and ratio_cpu <= f + 0.1),
+            }
+        )
+        p = passes[str(f)].summary()
+        result["transformer_pass"][str(f)] = {
+            **p,
+            "ratio_wall": round(p["wall_s"] / pass_full["wall_s"], 4),
+            "ratio_cpu": round(p["cpu_s"] / pass_full["cpu_s"], 4),
+        }
+    return result
+
+
+def run_bench(
+    configs: list[str], *, steps: int = 4, repeats: int = 3, log: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown bench config(s) {unknown} (known: {', '.join(CONFIGS)})")
+    return {
+        "benchmark": "engine",
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": "cpu",
+        },
+        "target": "SRD step at active fraction f costs at most f + 0.1 of a full step",
+        "configs": [run_config(CONFIGS[c], steps=steps, repeats=repeats, log=log) for c in configs],
+    }
