@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+if TYPE_CHECKING:
+    from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
 
 
 def worker(
@@ -40,11 +46,10 @@ def worker(
     ),
 ) -> None:
     """Run a Celery worker that executes generation orders for the given models."""
-    from celery.signals import worker_process_init
+    from celery.signals import worker_process_init, worker_process_shutdown
 
     from producer.logs import configure_logging
     from workers.app import create_app
-    from workers.orders import MAINTENANCE_QUEUE, queue_for
     from workers.settings import WorkerSettings
 
     err = Console(stderr=True)
@@ -72,16 +77,18 @@ def worker(
     import workers.runner  # noqa: F401
 
     models = settings.served_models
-    queues = [queue_for(m) for m in models] + ([MAINTENANCE_QUEUE] if maintenance else [])
     app = create_app(settings)
     name = hostname or f"chorus@{socket.gethostname()}"
-    argv = ["worker", "-Q", ",".join(queues), "-P", pool, "-n", name, "--loglevel", settings.log_level]
-    if autoscale and pool == "prefork":
-        argv += ["--autoscale", f"{settings.worker_autoscale_max},{settings.worker_autoscale_min}"]
-        sizing = f"autoscale {settings.worker_autoscale_min}..{settings.worker_autoscale_max}"
-    else:
-        argv += ["--concurrency", str(settings.worker_concurrency if pool != "solo" else 1)]
-        sizing = f"concurrency {settings.worker_concurrency if pool != 'solo' else 1}"
+    argv, queues, sizing = worker_argv(
+        settings, pool=pool, autoscale=autoscale, hostname=name, maintenance=maintenance
+    )
+
+    @worker_process_shutdown.connect(weak=False)
+    def _close(**_: Any) -> None:
+        from workers.runner import close_runners
+
+        close_runners()
+
     if preload:
         # Loading can take minutes (Wan2.1); give each new process that long to report that it is up.
         app.conf.worker_proc_alive_timeout = max(60.0, settings.task_soft_time_limit_s)
@@ -91,7 +98,10 @@ def worker(
             from workers.runner import engine_for
 
             for m in models:
-                engine_for(m, settings)
+                try:
+                    engine_for(m, settings)
+                except Exception as exc:  # the process stays up; orders for m then fail with the reason
+                    log.error("model not preloaded", extra={"model": m, "error": str(exc)})
 
     Console().print(
         f"[bold]chorus worker[/] {escape(name)}: models [bold]{escape(', '.join(models))}[/] on "
@@ -99,6 +109,24 @@ def worker(
         f"{pool} pool, {sizing}; broker {escape(_redact(app.conf.broker_url))}"
     )
     app.worker_main(argv)
+
+
+def worker_argv(
+    settings: WorkerSettings, *, pool: str, autoscale: bool, hostname: str, maintenance: bool
+) -> tuple[list[str], list[str], str]:
+    """Celery ``worker`` arguments for the served models: (argv, queues, a description of the pool size)."""
+    from workers.orders import MAINTENANCE_QUEUE, queue_for
+
+    queues = [queue_for(m) for m in settings.served_models] + ([MAINTENANCE_QUEUE] if maintenance else [])
+    argv = ["worker", "-Q", ",".join(queues), "-P", pool, "-n", hostname, "--loglevel", settings.log_level]
+    if autoscale and pool == "prefork":
+        argv += ["--autoscale", f"{settings.worker_autoscale_max},{settings.worker_autoscale_min}"]
+        sizing = f"autoscale {settings.worker_autoscale_min}..{settings.worker_autoscale_max}"
+    else:
+        size = settings.worker_concurrency if pool != "solo" else 1
+        argv += ["--concurrency", str(size)]
+        sizing = f"concurrency {size}"
+    return argv, queues, sizing
 
 
 def _redact(url: str) -> str:

@@ -188,6 +188,11 @@ class TrajectoryUploader:
         self._lock = threading.Lock()
         self.streamed = 0
 
+    @property
+    def uploaded(self) -> int:
+        """Objects written so far."""
+        return len(self._sizes)
+
     # --- streaming (leader) ------------------------------------------------------------------------------
     def start(self) -> None:
         """Begin streaming: ``on_start`` / ``on_step`` enqueue, a background thread uploads in order."""

@@ -12,7 +12,6 @@ result carrying an error code and message. The result keeps the scheduler's plan
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 from producer.contract import GenerationResult, ReusePlan
+from workers import video
 from workers.donors import S3DonorSource, TrajectoryUploader
 from workers.engine.engine import Engine, GenerationOutput
 from workers.engine.errors import CorruptTrajectory, DonorUnavailable, IncompatibleDonor, ModelUnavailable
@@ -43,7 +43,6 @@ from workers.store import ObjectStore, StoreError, store_for
 
 log = logging.getLogger(__name__)
 
-VIDEO_CONTENT_TYPES = {"mp4": "video/mp4", "gif": "image/gif"}
 Progress = Callable[[int, int], None]
 
 
@@ -255,8 +254,12 @@ class Runner:
                     fallbacks.append(f"incompatible donor ({exc}): computed in full")
                     log.warning("incompatible donor", extra={"request_id": request_id, "error": str(exc)})
                     output = self._generate(loaded.engine, order, full, None, uploader, clock, progress)
-        finally:
+        except BaseException:
             uploader.stop()
+            # A leader that failed may have streamed part of its trajectory: nobody must take it for a donor.
+            self._discard_trajectory(request_id, uploader)
+            raise
+        uploader.stop()
         if output.fallback:
             fallbacks.append(output.fallback)
 
@@ -264,7 +267,7 @@ class Runner:
         with clock.phase("decode"):
             video_bytes = encode_video(output, fmt)
         with clock.phase("upload"):
-            video = self.store.put(video_key(request_id, fmt), video_bytes, VIDEO_CONTENT_TYPES[fmt])
+            stored_video = self.store.put(video_key(request_id, fmt), video_bytes, video.CONTENT_TYPES[fmt])
             trajectory_uri: str | None = None
             trajectory_bytes = 0
             try:
@@ -274,9 +277,10 @@ class Runner:
             except StoreError as exc:
                 # The request is still served; it just cannot become a donor.
                 log.warning("trajectory not stored", extra={"request_id": request_id, "error": str(exc)})
+                self._discard_trajectory(request_id, uploader)
         result = done_result(
             order,
-            video_uri=video.uri,
+            video_uri=stored_video.uri,
             trajectory_uri=trajectory_uri,
             trajectory_bytes=trajectory_bytes,
             steps_computed=output.steps_computed,
@@ -299,6 +303,15 @@ class Runner:
             },
         )
         return result
+
+    def _discard_trajectory(self, request_id: str, uploader: TrajectoryUploader) -> None:
+        if not uploader.uploaded:
+            return
+        try:
+            deleted = self.store.delete_prefix(trajectory_prefix(request_id))
+            log.info("partial trajectory deleted", extra={"request_id": request_id, "objects": deleted})
+        except StoreError as exc:
+            log.warning("partial trajectory left in S3", extra={"request_id": request_id, "error": str(exc)})
 
     def _generate(
         self,
@@ -339,12 +352,7 @@ class VideoError(RuntimeError):
 
 def encode_video(output: GenerationOutput, fmt: str) -> bytes:
     try:
-        video = importlib.import_module("workers.video")
-    except ModuleNotFoundError as exc:
-        raise VideoError(f"no video encoder: {exc}") from exc
-    try:
-        data: bytes = video.encode_video(output.frames, fmt=fmt, fps=output.fps)
-        return data
+        return video.encode_video(output.frames, fmt=fmt, fps=output.fps)
     except Exception as exc:
         raise VideoError(f"cannot encode {output.frames.shape} frames as {fmt}: {exc}") from exc
 
@@ -359,3 +367,10 @@ def runner_for(settings: WorkerSettings) -> Runner:
     if runner is None:
         runner = _RUNNERS[key] = Runner(settings)
     return runner
+
+
+def close_runners() -> None:
+    """Flush and close every runner's Kafka producer (worker process shutdown, tests)."""
+    for runner in _RUNNERS.values():
+        runner.publisher.close()
+    _RUNNERS.clear()

@@ -9,6 +9,7 @@ minio adapter and the video is downloaded with boto3 as an independent client.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +100,9 @@ def worker(wsettings: WorkerSettings, results: ResultWatcher) -> Iterator[Celery
         app, pool="solo", perform_ping_check=False, queues=queues, loglevel="WARNING", shutdown_timeout=60
     ):
         yield app
+    from workers.runner import close_runners
+
+    close_runners()
 
 
 def order_for(request: GenerationRequest, plan: ReusePlan | None = None, **fields: Any) -> WorkOrder:
@@ -306,3 +310,49 @@ def test_an_order_delivered_too_often_is_answered_failed(
     assert result.status is ResultStatus.FAILED
     assert result.error is not None and result.error.code == "too_many_attempts"
     assert summary["attempt"] == wsettings.task_max_attempts + 1
+
+
+def test_gif_videos_are_stored_as_gif(
+    wsettings: WorkerSettings, results: ResultWatcher, store: ObjectStore
+) -> None:
+    from workers.runner import Runner
+
+    runner = Runner(wsettings.model_copy(update={"video_format": "gif"}))
+    request = request_like("a gif of a circle")
+    try:
+        result = runner.handle(order_for(request).model_dump_json(), worker="test")
+    finally:
+        runner.publisher.close()
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.video_uri == store.uri(f"videos/{request.request_id}.gif")
+    assert store.get(store.key_of(result.video_uri))[:4] == b"GIF8"
+    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    assert published == result
+
+
+def test_a_leader_that_fails_midway_leaves_no_partial_trajectory(
+    wsettings: WorkerSettings, results: ResultWatcher, store: ObjectStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    from workers.runner import Runner
+
+    def fail_at_step_two(done: int, total: int) -> None:
+        if done == 2:
+            raise RuntimeError("the device fell over")
+
+    caplog.set_level(logging.INFO, logger="workers.runner")
+    runner = Runner(wsettings)
+    request = request_like("a leader that fails")
+    order = order_for(request, role=Role.LEADER)
+    try:
+        result = runner.handle(order.model_dump_json(), worker="test", progress=fail_at_step_two)
+    finally:
+        runner.publisher.close()
+    assert result.status is ResultStatus.FAILED
+    assert result.error is not None and result.error.code == "engine_error"
+    assert "the device fell over" in result.error.message
+    # Header and the first steps were streamed for followers, then deleted: nobody may take them for a donor.
+    (deleted,) = [r for r in caplog.records if r.getMessage() == "partial trajectory deleted"]
+    assert deleted.__dict__["objects"] == 3  # header, step 0, step 1
+    assert list(store.list(trajectory_prefix(request.request_id))) == []
+    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    assert published.status is ResultStatus.FAILED

@@ -120,3 +120,36 @@ def test_bad_worker_settings_name_the_problem(
     with pytest.raises(ValidationError) as excinfo:
         WorkerSettings()
     assert field in str(excinfo.value)
+
+
+def test_worker_command_consumes_its_models_queues_and_sizes_the_pool_from_settings(tmp_path: Path) -> None:
+    from workers.cli import worker_argv
+
+    settings = WorkerSettings(
+        state_dir=tmp_path,
+        worker_models=["toy"],
+        worker_concurrency=3,
+        worker_autoscale_min=1,
+        worker_autoscale_max=5,
+    )
+    argv, queues, sizing = worker_argv(
+        settings, pool="prefork", autoscale=True, hostname="w@h", maintenance=True
+    )
+    assert queues == [queue_for("toy"), MAINTENANCE_QUEUE]
+    assert argv[argv.index("-Q") + 1] == "chorus.toy,chorus.maintenance"
+    assert argv[argv.index("--autoscale") + 1] == "5,1" and sizing == "autoscale 1..5"
+    argv, queues, sizing = worker_argv(
+        settings, pool="prefork", autoscale=False, hostname="w@h", maintenance=False
+    )
+    assert queues == [queue_for("toy")] and argv[argv.index("--concurrency") + 1] == "3"
+    argv, _, _ = worker_argv(settings, pool="solo", autoscale=True, hostname="w@h", maintenance=False)
+    assert "--autoscale" not in argv and argv[argv.index("--concurrency") + 1] == "1"
+
+
+def test_worker_command_refuses_an_unknown_model() -> None:
+    from typer.testing import CliRunner
+
+    from producer.cli import app
+
+    result = CliRunner().invoke(app, ["worker", "--model", "sora"])
+    assert result.exit_code == 2 and "unknown model(s) ['sora']" in result.output
