@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,13 +45,17 @@ class ConsoleFormatter(logging.Formatter):
 
 def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
     handler: logging.Handler
+    # Logs go to stderr so that commands printing JSON or tables on stdout stay machine-readable.
     if fmt == "json":
-        handler = logging.StreamHandler()
+        handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter())
     else:
+        from rich.console import Console
         from rich.logging import RichHandler
 
-        handler = RichHandler(show_path=False, rich_tracebacks=True, markup=False)
+        handler = RichHandler(
+            console=Console(stderr=True), show_path=False, rich_tracebacks=True, markup=False
+        )
         handler.setFormatter(ConsoleFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
