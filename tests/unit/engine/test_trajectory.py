@@ -191,3 +191,9 @@ def test_decoding_arbitrary_bytes_raises_only_corrupt_trajectory(blob):
     for decode in (decode_step, decode_header, Trajectory.from_bytes):
         with pytest.raises(CorruptTrajectory):
             decode(blob)
+
+
+def test_compat_key_in_metadata_is_checked(traj):
+    text = traj.meta.to_json().replace('"compat_key": "tiny-random-wan|', '"compat_key": "toy|')
+    with pytest.raises(CorruptTrajectory, match="compat_key"):
+        TrajectoryMeta.from_json(text)
