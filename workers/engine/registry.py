@@ -369,7 +369,12 @@ def _load_toy(
     loader = getattr(module, "load_toy_bundle", None)
     if loader is None:
         raise ModelUnavailable("workers.toy.model has no load_toy_bundle(device, dtype, weights_dir)")
-    bundle = loader(torch.device(device), resolve_dtype(dtype), toy_weights_dir)
+    try:
+        bundle = loader(torch.device(device), resolve_dtype(dtype), toy_weights_dir)
+    except FileNotFoundError as exc:
+        raise ModelUnavailable(
+            f"the toy model's weights are missing ({exc}); set CHORUS_TOY_WEIGHTS_DIR"
+        ) from exc
     if not isinstance(bundle, ModelBundle):
         raise ModelUnavailable(f"load_toy_bundle returned {type(bundle).__name__}, not a ModelBundle")
     return bundle

@@ -52,6 +52,23 @@ def test_toy_loader_reports_a_missing_module(monkeypatch):
         load_bundle("toy")
 
 
+def test_toy_loader_reports_missing_weights(monkeypatch, tmp_path):
+    import types
+
+    def load_toy_bundle(device, dtype, weights_dir):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError(f"{weights_dir}/config.json")
+
+    fake_module = types.SimpleNamespace(load_toy_bundle=load_toy_bundle)
+    real = importlib.import_module
+    monkeypatch.setattr(
+        registry_module.importlib,
+        "import_module",
+        lambda name, *a, **k: fake_module if name == "workers.toy.model" else real(name, *a, **k),
+    )
+    with pytest.raises(ModelUnavailable, match="weights are missing"):
+        load_bundle("toy", toy_weights_dir=tmp_path)
+
+
 def test_wan21_needs_a_directory(tmp_path):
     with pytest.raises(ModelUnavailable, match="CHORUS_WAN21_DIR"):
         load_bundle("wan2.1-t2v-1.3b")
