@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
-from producer.unbuilt import not_built
+import typer
 
 
 def scheduler() -> None:
-    """Not built yet."""
-    not_built("scheduler", "[serving]")
+    """Run the scheduler: requests topic → donor search and planning → Celery work orders; results → donor index.
+
+    Configured by environment (CHORUS_*, see chorus_sched/settings.py). Stops cleanly on SIGTERM or SIGINT:
+    the batch in hand is finished and committed, then the consumers leave their groups.
+    """
+    import signal
+    import threading
+
+    from pydantic import ValidationError
+
+    from chorus_sched.planner import CalibrationError
+    from chorus_sched.service import run
+    from chorus_sched.settings import SchedulerSettings
+    from producer.logs import configure_logging
+
+    try:
+        settings = SchedulerSettings()
+    except ValidationError as exc:
+        typer.echo(f"invalid scheduler settings:\n{exc}", err=True)
+        raise typer.Exit(code=2) from None
+    configure_logging(settings.log_level, settings.log_format)
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        run(settings, stop)
+    except CalibrationError as exc:
+        typer.echo(f"calibration table rejected: {exc}", err=True)
+        raise typer.Exit(code=2) from None

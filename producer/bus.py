@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.structs import TopicPartition
+from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from producer.settings import KafkaSettings
 
@@ -152,3 +152,34 @@ def follow_new_partitions(consumer: KafkaConsumer, topic: str, *, from_end: bool
         consumer.seek(tp, offsets[tp])
     log.debug("following partitions", extra={"topic": topic, "partitions": [tp.partition for tp in new]})
     return len(new)
+
+
+def commit_offsets(consumer: KafkaConsumer, offsets: Mapping[TopicPartition, int]) -> None:
+    """Commit, for each partition, the offset of the next message to read (last handled + 1)."""
+    if offsets:
+        consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items()})
+
+
+def group_progress(settings: KafkaSettings, group_id: str, topic: str) -> dict[int, tuple[int, int]]:
+    """partition → (committed offset, end offset) of ``group_id`` on ``topic``, without touching the group.
+
+    For tests and operators: the group has handled everything published so far when the two agree everywhere.
+    The committed offsets come from the admin API, so asking involves no consumer of the group.
+    """
+    from kafka import KafkaAdminClient
+
+    consumer = KafkaConsumer(**client_config(settings), group_id=None, enable_auto_commit=False)
+    admin = KafkaAdminClient(**client_config(settings))
+    try:
+        partitions = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        if not tps:
+            return {}
+        ends = consumer.end_offsets(tps)
+        committed = admin.list_group_offsets({group_id: tps}).get(group_id, {})
+        return {
+            tp.partition: (max(0, committed[tp].offset) if tp in committed else 0, ends[tp]) for tp in tps
+        }
+    finally:
+        consumer.close(autocommit=False)
+        admin.close()

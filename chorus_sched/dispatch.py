@@ -1,0 +1,62 @@
+"""Dispatch: work orders and eviction orders onto the Celery broker, through the one app module.
+
+The client app comes from ``workers.app.app_for_broker`` (same queues, routes and serializer as the workers);
+``chorus.generate`` goes to the request's model queue with the ``WorkOrder`` as JSON and the request id as the
+task id, ``chorus.evict`` to the maintenance queue. Both calls return once the broker has the message, which
+is when the scheduler may commit the Kafka offset.
+
+Priority: a request's ``priority`` (0 = normal … 9 = most urgent) is honoured where the transport supports it.
+kombu's Redis transport serves *lower* numbers first (buckets 0, 3, 6, 9), so the priority is inverted for it;
+AMQP brokers serve higher numbers first (for queues declared with ``x-max-priority``); the filesystem transport
+has no priorities and gets none.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from workers.orders import EvictOrder, WorkOrder
+
+log = logging.getLogger(__name__)
+
+
+def broker_priority(priority: int, broker_url: str) -> int | None:
+    """The Celery ``priority`` for a request priority on this broker, or None where it has no meaning."""
+    if broker_url.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
+        return 9 - priority
+    if broker_url.startswith(("amqp://", "amqps://", "pyamqp://")):
+        return priority
+    return None
+
+
+class Dispatcher:
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.broker_url = str(app.conf.broker_url or "")
+
+    @classmethod
+    def for_broker(cls, broker_url: str, *, state_dir: Path) -> Dispatcher:
+        from workers.app import app_for_broker
+
+        return cls(app_for_broker(broker_url, state_dir=state_dir))
+
+    def generate(self, order: WorkOrder) -> None:
+        from workers.app import send_generate
+
+        options: dict[str, Any] = {}
+        priority = broker_priority(order.request.priority, self.broker_url)
+        if priority is not None:
+            options["priority"] = priority
+        send_generate(self.app, order, **options)
+
+    def evict(self, order: EvictOrder) -> None:
+        from workers.app import send_evict
+
+        send_evict(self.app, order)
+
+    def close(self) -> None:
+        self.app.close()

@@ -1,0 +1,495 @@
+"""The scheduler on real services: the Kafka-protocol broker (requests, results, dead letters), Redis (ledger and
+Celery broker, keys under a prefix unique to each test), Qdrant local mode (a folder per test).
+
+Each test runs the real consume loop (``chorus_sched.service.run``) in a thread, publishes messages as producers
+and workers would, waits until the scheduler's consumer groups have committed everything published, and then
+inspects what is on the Celery queues with a small kombu consumer (the same app configuration the workers use).
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from kafka import KafkaProducer
+from kafka.structs import TopicPartition
+from kombu import Queue
+
+from chorus_sched.dispatch import Dispatcher
+from chorus_sched.embedding import HashingEmbedder
+from chorus_sched.service import Scheduler, build_scheduler, run
+from chorus_sched.settings import SchedulerSettings
+from producer import bus
+from producer.contract import (
+    DeadLetter,
+    DonorInfo,
+    GenerationRequest,
+    GenerationResult,
+    ResultStatus,
+    ReusePlan,
+    build_request,
+)
+from producer.settings import KafkaSettings
+from workers.app import EXCHANGE, app_for_broker
+from workers.orders import (
+    EVICT_TASK,
+    GENERATE_TASK,
+    MAINTENANCE_QUEUE,
+    EvictOrder,
+    Role,
+    WorkOrder,
+    queue_for,
+)
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "a red circle moving left on a white background"
+OTHER = "a green triangle moving up on a black background"
+WAIT_S = 90.0
+
+
+def celery_client(broker_url: str, state_dir: Path, key_prefix: str) -> Celery:
+    app = app_for_broker(broker_url, state_dir=state_dir)
+    if broker_url.startswith("redis://"):
+        options = dict(app.conf.broker_transport_options or {})
+        options["global_keyprefix"] = key_prefix
+        app.conf.broker_transport_options = options
+    return app
+
+
+@dataclass
+class Task:
+    name: str
+    args: list[Any]
+    properties: dict[str, Any]
+
+    @property
+    def order(self) -> WorkOrder:
+        return WorkOrder.model_validate_json(self.args[0])
+
+    @property
+    def evict_order(self) -> EvictOrder:
+        return EvictOrder.model_validate_json(self.args[0])
+
+
+def drain(app: Celery, queue: str) -> list[Task]:
+    """Every message now on ``queue`` (a consumer of the queue, like a worker, that takes them all).
+
+    Called once the scheduler has committed everything published, i.e. once every order it will send is on the
+    broker, so "until empty" is all of them.
+    """
+    tasks = []
+    with app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(Queue(queue, EXCHANGE, routing_key=queue, durable=True))
+        while True:
+            try:
+                message = simple.get_nowait()
+            except simple.Empty:
+                break
+            args, _kwargs, _embed = message.payload
+            tasks.append(Task(message.headers["task"], args, dict(message.properties)))
+            message.ack()
+        simple.close()
+    return tasks
+
+
+class Harness:
+    def __init__(self, settings: SchedulerSettings, app: Celery) -> None:
+        self.settings = settings
+        self.app = app
+        self.scheduler: Scheduler
+        self.scheduler, self._close = build_scheduler(
+            settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app)
+        )
+        self.producer: KafkaProducer = bus.make_producer(settings)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=run, args=(settings, self.stop), kwargs={"scheduler": self.scheduler}, daemon=True
+        )
+        self.thread.start()
+
+    def publish(self, *messages: GenerationRequest | bytes, key: str = "raw") -> None:
+        for m in messages:
+            if isinstance(m, bytes):
+                bus.publish(self.producer, self.settings.kafka_requests_topic, key, m)
+            else:
+                bus.publish(self.producer, self.settings.kafka_requests_topic, m.request_id, m.to_bytes())
+
+    def publish_result(self, result: GenerationResult) -> None:
+        bus.publish(self.producer, self.settings.kafka_results_topic, result.request_id, result.to_bytes())
+
+    def wait_handled(self) -> None:
+        """Until both consumer groups have committed every message published so far."""
+        for group, topic in (
+            (self.settings.kafka_group_id, self.settings.kafka_requests_topic),
+            (self.settings.kafka_results_group_id, self.settings.kafka_results_topic),
+        ):
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                progress = bus.group_progress(self.settings, group, topic)
+                if all(committed >= end for committed, end in progress.values()):
+                    break
+                assert self.thread.is_alive(), "the scheduler loop died"
+                assert time.monotonic() < deadline, f"{group} did not handle {topic}: {progress}"
+                time.sleep(0.2)
+
+    def generate_tasks(self, model: str = "toy") -> dict[str, Task]:
+        tasks = drain(self.app, queue_for(model))
+        assert all(t.name == GENERATE_TASK for t in tasks)
+        ids = [t.order.request.request_id for t in tasks]
+        assert len(ids) == len(set(ids)), f"duplicate work orders: {ids}"
+        return dict(zip(ids, tasks, strict=True))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive()
+        self.producer.close(timeout=10)
+
+
+@pytest.fixture
+def make_settings(kafka_settings: KafkaSettings, redis_url: str, tmp_path: Path) -> Any:
+    suffix = uuid.uuid4().hex[:8]
+
+    def make(**overrides: Any) -> SchedulerSettings:
+        fields: dict[str, Any] = {
+            **kafka_settings.model_dump(),
+            "state_dir": tmp_path / "state",
+            "kafka_group_id": f"sched-{suffix}",
+            "kafka_results_group_id": f"sched-results-{suffix}",
+            "redis_url": redis_url,
+            "ledger_prefix": f"test-{suffix}:",
+            "broker_url": redis_url,
+            "embedder": "hashing",
+            "poll_timeout_ms": 100,
+            "kafka_metadata_max_age_ms": 1000,
+            "kafka_session_timeout_ms": 6000,
+            "kafka_max_poll_interval_ms": 15000,
+            "instance_id": f"sched-{suffix}",
+            **overrides,
+        }
+        return SchedulerSettings(**fields)
+
+    return make
+
+
+@pytest.fixture
+def harness(make_settings: Any) -> Iterator[Harness]:
+    settings = make_settings()
+    h = Harness(
+        settings, celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    )
+    yield h
+    h.close()
+
+
+def request(prompt: str = PROMPT, **fields: Any) -> GenerationRequest:
+    return build_request(prompt=prompt, model="toy", tenant=fields.pop("tenant", "acme"), **fields)
+
+
+def done(
+    rid: str, *, tenant: str = "acme", nbytes: int = 1000, donor: str | None = None, **fields: Any
+) -> GenerationResult:
+    return GenerationResult(
+        request_id=rid,
+        tenant=tenant,
+        status=ResultStatus.DONE,
+        video_uri=f"s3://chorus/videos/{rid}.mp4",
+        trajectory_uri=f"s3://chorus/trajectories/{rid}/",
+        trajectory_bytes=nbytes,
+        donor=DonorInfo(request_id=donor, similarity=1.0) if donor else None,
+        steps_requested=4,
+        steps_computed=fields.pop("steps_computed", 4),
+        **fields,
+    )
+
+
+def dead_letters(settings: KafkaSettings, n: int) -> list[DeadLetter]:
+    consumer = bus.make_consumer(settings, [settings.kafka_dead_letter_topic], group_id=None)
+    letters = []
+    for record in bus.poll_records(consumer, timeout_s=WAIT_S):
+        letters.append(DeadLetter.model_validate_json(record.value))
+        if len(letters) == n:
+            break
+    consumer.close()
+    return letters
+
+
+def results_of(settings: KafkaSettings, n: int) -> list[GenerationResult]:
+    consumer = bus.make_consumer(settings, [settings.kafka_results_topic], group_id=None)
+    out = []
+    for record in bus.poll_records(consumer, timeout_s=WAIT_S):
+        out.append(GenerationResult.model_validate_json(record.value))
+        if len(out) == n:
+            break
+    consumer.close()
+    return out
+
+
+def test_requests_become_one_task_each_bad_ones_are_dead_lettered_and_duplicates_skipped(
+    harness: Harness,
+) -> None:
+    first = request(request_id="r-first", priority=5)
+    off = request(OTHER, request_id="r-off", reuse="off")
+    wrong_shape = b'{"request_id": "r-bad", "prompt": "x", "model": "toy", "height": 48}'
+    harness.publish(first, b"\xff not json at all", key="junk")
+    harness.publish(wrong_shape, key="r-bad")
+    harness.publish(first, off, first)  # the first request twice more: a producer retry, a redelivery
+    harness.wait_handled()
+
+    tasks = harness.generate_tasks()
+    assert sorted(tasks) == ["r-first", "r-off"]
+    lead = tasks["r-first"].order
+    assert lead.role is Role.LEADER and lead.plan == ReusePlan.full(4) and lead.donor is None
+    assert lead.request == first
+    assert tasks["r-first"].properties.get("priority") == 4  # Redis serves lower numbers first: 9 - 5
+    solo = tasks["r-off"].order
+    assert solo.role is Role.SOLO and solo.plan == ReusePlan.full(4)
+    assert harness.scheduler.index.get("r-off") is None  # reuse off: never a leader, never indexed
+    running = harness.scheduler.index.get("r-first")
+    assert running is not None and running.status == "running"
+
+    letters = {dl.key_b64: dl for dl in dead_letters(harness.settings, 2)}
+    junk = letters[base64.b64encode(b"junk").decode()]
+    assert junk.raw() == b"\xff not json at all"
+    assert junk.error.code == "invalid_request" and "not UTF-8" in junk.error.message
+    assert junk.topic == harness.settings.kafka_requests_topic and junk.offset >= 0
+    bad = letters[base64.b64encode(b"r-bad").decode()]
+    assert bad.raw() == wrong_shape
+    assert [(i.field, i.rule) for i in bad.issues] == [("height", "model_shape")]
+    # the producer waiting for r-bad learns why
+    rejected = [r for r in results_of(harness.settings, 1) if r.request_id == "r-bad"]
+    assert rejected and rejected[0].status is ResultStatus.REJECTED
+    assert rejected[0].error is not None and "height" in rejected[0].error.message
+    stats = harness.scheduler.stats
+    assert (stats.dead_lettered, stats.duplicates, stats.dispatched) == (2, 2, 2)
+
+
+def test_similar_requests_group_then_a_finished_donor_is_reused_and_its_hits_counted(
+    harness: Harness,
+) -> None:
+    leader, follower = request(request_id="lead", seed=1), request(request_id="follow", seed=2)
+    harness.publish(leader)
+    harness.wait_handled()
+    harness.publish(follower, request(OTHER, request_id="unrelated"))
+    harness.wait_handled()
+    tasks = harness.generate_tasks()
+    assert tasks["lead"].order.role is Role.LEADER
+    f = tasks["follow"].order
+    assert f.role is Role.FOLLOWER
+    assert f.donor is not None and f.donor.request_id == "lead"
+    assert f.donor.trajectory_prefix == "trajectories/lead/"
+    assert f.donor.wait_s == harness.settings.follower_wait_s > 0
+    assert f.plan.stage1_steps == 2 and f.plan.stage3_steps == 2  # same words, 4 steps: provisional row
+    assert tasks["unrelated"].order.role is Role.LEADER  # nothing similar to follow
+
+    # the leader's worker reports: its entry becomes a finished donor
+    harness.publish_result(done("lead", nbytes=1234))
+    harness.wait_handled()
+    entry = harness.scheduler.index.get("lead")
+    assert entry is not None and entry.ready and entry.bytes == 1234
+    assert entry.trajectory_uri == "s3://chorus/trajectories/lead/"
+
+    # a later similar request takes the finished donor
+    harness.publish(request(request_id="later", seed=3))
+    harness.wait_handled()
+    later = harness.generate_tasks()["later"].order
+    assert later.role is Role.SOLO and later.donor is not None and later.donor.request_id == "lead"
+    assert later.plan.reuses and later.donor.wait_s == 0
+
+    # results of requests that used the donor count hits and steps saved, once each
+    hit = done("later", donor="lead", plan=later.plan, steps_computed=2)
+    harness.publish_result(hit)
+    harness.publish_result(hit)  # a redelivered result counts once
+    harness.publish_result(done("follow", donor="lead", plan=f.plan, fallback="leader too slow"))
+    harness.wait_handled()
+    entry = harness.scheduler.index.get("lead")
+    assert entry is not None and (entry.hits, entry.steps_saved) == (1, 2.0) and entry.last_hit_at
+    # requests that were not leaders become donors too, from the ledger's record of them
+    later_entry = harness.scheduler.index.get("later")
+    assert later_entry is not None and later_entry.ready and later_entry.prompt == PROMPT
+    assert later_entry.tenant == "acme" and later_entry.compat_key == request().compatibility_key
+
+
+def test_a_better_donor_of_another_tenant_is_blocked_and_counted(harness: Harness) -> None:
+    harness.publish(request(request_id="theirs", tenant="globex"))
+    harness.wait_handled()
+    harness.publish_result(done("theirs", tenant="globex"))
+    harness.wait_handled()
+    harness.publish(request(request_id="mine", tenant="acme"))
+    harness.wait_handled()
+    order = harness.generate_tasks()["mine"].order
+    assert order.donor is None and order.role is Role.LEADER and not order.plan.reuses
+    assert harness.scheduler.stats.cross_tenant_blocked == 1
+
+
+def test_cross_tenant_reuse_when_allowed(make_settings: Any) -> None:
+    settings = make_settings(cross_tenant_reuse=True)
+    h = Harness(
+        settings, celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    )
+    try:
+        h.publish(request(request_id="theirs", tenant="globex"))
+        h.wait_handled()
+        h.publish_result(done("theirs", tenant="globex"))
+        h.wait_handled()
+        h.publish(request(request_id="mine", tenant="acme"))
+        h.wait_handled()
+        order = h.generate_tasks()["mine"].order
+        assert order.donor is not None and order.donor.request_id == "theirs" and order.role is Role.SOLO
+        assert h.scheduler.stats.cross_tenant_blocked == 0
+    finally:
+        h.close()
+
+
+def test_eviction_removes_the_point_then_orders_the_objects_deleted(make_settings: Any) -> None:
+    settings = make_settings(cache_budget_bytes=1500, evict_interval_s=3600)
+    h = Harness(
+        settings, celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    )
+    try:
+        h.publish(
+            request(request_id="d1"),
+            request(OTHER, request_id="d2"),
+            request("a blue square", request_id="d3"),
+        )
+        h.wait_handled()
+        h.publish_result(done("d1", nbytes=1000))
+        h.publish_result(done("d2", nbytes=1000))
+        h.publish_result(GenerationResult(request_id="d3", tenant="acme", status=ResultStatus.FAILED))
+        h.wait_handled()
+        assert h.scheduler.index.get("d3") is None  # a failed leader's entry goes at once
+        # one used donor is worth more than the unused one
+        h.publish(request(request_id="user"))
+        h.wait_handled()
+        user = h.generate_tasks()["user"].order
+        assert user.donor is not None and user.donor.request_id == "d1"
+        h.publish_result(done("user", donor="d1", plan=user.plan, steps_computed=2, nbytes=0))
+        h.wait_handled()
+        assert h.scheduler.maintain() == ["d2"]  # 2000 bytes over a 1500 budget: the unused one goes
+        assert h.scheduler.index.get("d2") is None and h.scheduler.index.get("d1") is not None
+        assert h.scheduler.ledger.state("d2") == "evicted"
+        orders = drain(h.app, MAINTENANCE_QUEUE)
+        assert all(t.name == EVICT_TASK for t in orders)
+        evicted = {(tuple(t.evict_order.request_ids), t.evict_order.reason) for t in orders}
+        assert evicted == {(("d3",), "leader failed"), (("d2",), "budget")}
+        assert h.scheduler.ledger.pending_evictions() == {}
+        # a late result of an evicted donor does not bring it back
+        h.publish_result(done("d2", nbytes=1000))
+        h.wait_handled()
+        assert h.scheduler.index.get("d2") is None
+    finally:
+        h.close()
+
+
+@dataclass(frozen=True)
+class Record:
+    """A consumed message as the scheduler core sees it (what kafka-python's ConsumerRecord carries)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+
+
+def test_a_request_claimed_by_a_crashed_instance_is_retried_then_taken_over_once_its_lease_expires(
+    make_settings: Any,
+) -> None:
+    settings = make_settings()
+    app = celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
+    try:
+        orphan = request(request_id="orphan")
+        record = Record(settings.kafka_requests_topic, 2, 7, b"orphan", orphan.to_bytes())
+        tp = TopicPartition(settings.kafka_requests_topic, 2)
+        assert scheduler.ledger.begin("orphan", owner="crashed-instance", lease_s=0.5).outcome == "new"
+        # the crashed instance's lease is live: not ours to run, not to be committed — retried later
+        outcome = scheduler.handle_requests([record])
+        assert outcome.retry == {tp: 7} and outcome.commit == {}
+        assert drain(app, queue_for("toy")) == []
+        time.sleep(0.6)
+        outcome = scheduler.handle_requests([record])
+        assert outcome.retry == {} and outcome.commit == {tp: 8}
+        tasks = drain(app, queue_for("toy"))
+        assert [t.order.request.request_id for t in tasks] == ["orphan"]
+        # and once more (a redelivery): a duplicate, committed, no new task
+        assert scheduler.handle_requests([record]).commit == {tp: 8}
+        assert drain(app, queue_for("toy")) == []
+        assert (scheduler.stats.busy, scheduler.stats.dispatched, scheduler.stats.duplicates) == (1, 1, 1)
+    finally:
+        close()
+
+
+class BrokenEmbedder(HashingEmbedder):
+    def embed(self, texts: Any) -> list[list[float]]:
+        if texts != ["warm-up"]:
+            raise ValueError("embedding model returned garbage")
+        return super().embed(texts)
+
+
+def test_a_request_that_keeps_failing_is_dead_lettered_after_max_attempts(make_settings: Any) -> None:
+    settings = make_settings(max_attempts=2)
+    app = celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    scheduler, close = build_scheduler(settings, embedder=BrokenEmbedder(), dispatcher=Dispatcher(app))
+    try:
+        bad = request(request_id="cursed")
+        record = Record(settings.kafka_requests_topic, 0, 3, b"cursed", bad.to_bytes())
+        tp = TopicPartition(settings.kafka_requests_topic, 0)
+        assert scheduler.handle_requests([record]).retry == {tp: 3}
+        assert scheduler.ledger.state("cursed") is None  # the claim was released for the retry
+        outcome = scheduler.handle_requests([record])
+        assert outcome.retry == {} and outcome.commit == {tp: 4}
+        [letter] = dead_letters(settings, 1)
+        assert letter.error.code == "scheduling_failed" and "garbage" in letter.error.message
+        assert letter.raw() == bad.to_bytes() and letter.offset == 3
+        assert scheduler.ledger.state("cursed") == "dead_lettered"
+        assert scheduler.handle_requests([record]).commit == {tp: 4}  # redelivered: recognized, not retried
+        assert drain(app, queue_for("toy")) == []
+    finally:
+        close()
+
+
+def test_redelivery_after_a_crash_between_dispatch_and_commit_does_not_duplicate(make_settings: Any) -> None:
+    settings = make_settings()
+    app = celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    # An instance that handles a poll and dies before committing: its orders are on the broker, its offsets not.
+    scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
+    producer = bus.make_producer(settings)
+    sent = [request(request_id=f"c{i}", seed=i) for i in range(3)]
+    for r in sent:
+        bus.publish(producer, settings.kafka_requests_topic, r.request_id, r.to_bytes())
+    producer.close()
+    consumer = bus.make_consumer(
+        settings,
+        [settings.kafka_requests_topic],
+        group_id=settings.kafka_group_id,
+        session_timeout_ms=settings.kafka_session_timeout_ms,
+        max_poll_interval_ms=settings.kafka_max_poll_interval_ms,
+    )
+    records = []
+    for record in bus.poll_records(consumer, timeout_s=WAIT_S):
+        records.append(record)
+        if len(records) == len(sent):
+            break
+    outcome = scheduler.handle_requests(records)
+    assert not outcome.retry and sum(outcome.commit.values()) > 0
+    consumer.close(autocommit=False)  # crash: nothing committed
+    close()
+
+    h = Harness(settings, app)  # a fresh instance of the same group reads everything again
+    try:
+        h.wait_handled()
+        tasks = h.generate_tasks()
+        assert sorted(tasks) == ["c0", "c1", "c2"]
+        assert h.scheduler.stats.duplicates == 3 and h.scheduler.stats.dispatched == 0
+    finally:
+        h.close()
