@@ -582,7 +582,7 @@ class Scheduler:
                 )
             elif result.trajectory_uri:
                 self._index_donor(record, result)
-            elif leader:
+            elif leader and (entry := self.index.get(rid)) is not None and not entry.ready:
                 self._evict({rid: "leader finished without a stored trajectory"})
             self._count_hit(result)
         else:

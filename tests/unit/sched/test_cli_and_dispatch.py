@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chorus_sched.dispatch import broker_priority
+from chorus_sched.settings import SchedulerSettings
+
+CHORUS = str(Path(sys.executable).parent / "chorus")
+
+
+def run_scheduler(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CHORUS_")}
+    clean.update({"CHORUS_STATE_DIR": str(tmp_path), **env})
+    return subprocess.run([CHORUS, "scheduler"], env=clean, capture_output=True, text=True, timeout=120)
+
+
+def test_bad_settings_stop_the_scheduler_with_the_field_named(tmp_path: Path) -> None:
+    result = run_scheduler(tmp_path, CHORUS_CROSS_TENANT_REUSE="maybe")
+    assert result.returncode == 2
+    assert "invalid scheduler settings" in result.stderr and "cross_tenant_reuse" in result.stderr
+
+
+def test_a_bad_calibration_file_stops_the_scheduler_before_it_consumes(tmp_path: Path) -> None:
+    bad = tmp_path / "calibration.json"
+    bad.write_text('{"format": "chorus-calibration/1"}')
+    result = run_scheduler(tmp_path, CHORUS_CALIBRATION_PATH=str(bad), CHORUS_EMBEDDER="hashing")
+    assert result.returncode == 2
+    assert "calibration table rejected" in result.stderr and str(bad) in result.stderr
+    assert "regimes" in result.stderr
+
+
+def test_settings_defaults_point_at_the_embedded_setup(tmp_path: Path) -> None:
+    settings = SchedulerSettings(state_dir=tmp_path, instance_id="")
+    assert settings.resolved_qdrant_path == str(tmp_path / "qdrant")
+    assert settings.ledger_path == tmp_path / "ledger.sqlite3"
+    assert settings.broker_url == "" and settings.redis_url == ""
+    assert str(os.getpid()) in settings.resolved_instance_id
+    with pytest.raises(ValueError, match="claim_lease_s"):
+        SchedulerSettings(claim_lease_s=0.1, poll_timeout_ms=500)
+
+
+@pytest.mark.parametrize(
+    ("priority", "url", "expected"),
+    [
+        (0, "redis://r:6379/0", 9),  # kombu's Redis transport serves low numbers first
+        (9, "rediss://r:6379/0", 0),
+        (5, "amqp://guest@r//", 5),
+        (3, "filesystem://", None),
+    ],
+)
+def test_request_priority_maps_to_what_the_broker_honours(
+    priority: int, url: str, expected: int | None
+) -> None:
+    assert broker_priority(priority, url) == expected
