@@ -663,7 +663,14 @@ class Scheduler:
             return
         if not self.ledger.mark_once(f"hit:{result.request_id}"):
             return
-        saved = float(max(0, result.steps_requested - result.steps_computed))
+        # Token-steps saved: the engine reports the mean fraction of tokens it computed per requested step, so
+        # Stage 1 counts in full and Stage 2 by the share of tokens it skipped. A result computing no step at
+        # all reports nothing usable and counts no saving.
+        saved = (
+            result.steps_requested * (1.0 - result.tokens_computed_fraction)
+            if result.steps_computed > 0
+            else 0.0
+        )
         hits, total = self.ledger.add_hit(donor_id, saved)
         entry = self.index.set_fields(
             donor_id, {"hits": hits, "steps_saved": total, "last_hit_at": self.clock()}

@@ -306,7 +306,7 @@ def test_similar_requests_group_then_a_finished_donor_is_reused_and_its_hits_cou
     assert later.plan.reuses and later.donor.wait_s == 0
 
     # results of requests that used the donor count hits and steps saved, once each
-    hit = done("later", donor="lead", plan=later.plan, steps_computed=2)
+    hit = done("later", donor="lead", plan=later.plan, steps_computed=2, tokens_computed_fraction=0.5)
     harness.publish_result(hit)
     harness.publish_result(hit)  # a redelivered result counts once
     harness.publish_result(done("follow", donor="lead", plan=f.plan, fallback="leader too slow"))
@@ -372,7 +372,9 @@ def test_eviction_removes_the_point_then_orders_the_objects_deleted(make_setting
         h.wait_handled()
         user = h.generate_tasks()["user"].order
         assert user.donor is not None and user.donor.request_id == "d1"
-        h.publish_result(done("user", donor="d1", plan=user.plan, steps_computed=2, nbytes=0))
+        h.publish_result(
+            done("user", donor="d1", plan=user.plan, steps_computed=2, tokens_computed_fraction=0.5, nbytes=0)
+        )
         h.wait_handled()
         assert h.scheduler.maintain() == ["d2"]  # 2000 bytes over a 1500 budget: the unused one goes
         assert h.scheduler.index.get("d2") is None and h.scheduler.index.get("d1") is not None
