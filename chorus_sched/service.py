@@ -13,7 +13,7 @@ Message flow, per poll of the requests topic:
 5. send the ``WorkOrder`` to the model's Celery queue, then record the dispatch in the ledger;
 6. commit, per partition, up to the first message that could not be handled (which is retried).
 
-Per poll of the results topic (its own consumer group): a ``done`` result with a trajectory becomes (or
+Each topic is consumed by its own thread. Per poll of the results topic (its own consumer group): a ``done`` result with a trajectory becomes (or
 finalizes) a ``ready`` donor entry; a failed leader's entry is removed; a donor that was used gets its hit and
 steps saved counted once. Every ``evict_interval_s`` the cache policy runs: the chosen entries are removed from
 the index, then an ``EvictOrder`` is sent for the workers to delete their objects.
@@ -223,6 +223,7 @@ class Scheduler:
     def handle_requests(self, messages: Sequence[Message]) -> BatchOutcome:
         progress = _Progress()
         accepted: list[tuple[Message, GenerationRequest]] = []
+        in_batch: set[str] = set()
         for m in messages:
             progress.seen(m)
             self.stats.requests += 1
@@ -244,7 +245,8 @@ class Scheduler:
             except Exception as exc:
                 self._failed(m, progress, exc, request)
                 continue
-            if claim.outcome == "duplicate":
+            # A second copy within this poll finds our own fresh lease ("resumed"): it is a duplicate too.
+            if claim.outcome == "duplicate" or request.request_id in in_batch:
                 self.stats.duplicates += 1
                 log.info(
                     "duplicate request skipped",
@@ -264,6 +266,7 @@ class Scheduler:
                         extra={"request_id": request.request_id, "previous_owner": claim.owner},
                     )
                 accepted.append((m, request))
+                in_batch.add(request.request_id)
         if not accepted:
             return self._finish(progress)
 

@@ -431,6 +431,23 @@ def test_a_request_claimed_by_a_crashed_instance_is_retried_then_taken_over_once
         close()
 
 
+def test_copies_of_a_request_within_one_poll_run_once(make_settings: Any) -> None:
+    settings = make_settings()
+    app = celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
+    try:
+        twice = request(request_id="twice").to_bytes()
+        topic = settings.kafka_requests_topic
+        outcome = scheduler.handle_requests(
+            [Record(topic, 1, 10, b"twice", twice), Record(topic, 1, 11, b"twice", twice)]
+        )
+        assert outcome.commit == {TopicPartition(topic, 1): 12} and outcome.retry == {}
+        assert [t.order.request.request_id for t in drain(app, queue_for("toy"))] == ["twice"]
+        assert (scheduler.stats.dispatched, scheduler.stats.duplicates) == (1, 1)
+    finally:
+        close()
+
+
 class BrokenEmbedder(HashingEmbedder):
     def embed(self, texts: Any) -> list[list[float]]:
         if texts != ["warm-up"]:
