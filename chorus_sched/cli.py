@@ -11,6 +11,7 @@ def scheduler() -> None:
     Configured by environment (CHORUS_*, see chorus_sched/settings.py). Stops cleanly on SIGTERM or SIGINT:
     the batch in hand is finished and committed, then the consumers leave their groups.
     """
+    import logging
     import signal
     import threading
 
@@ -39,3 +40,7 @@ def scheduler() -> None:
     except CalibrationError as exc:
         typer.echo(f"calibration table rejected: {exc}", err=True)
         raise typer.Exit(code=2) from None
+    except Exception as exc:
+        logging.getLogger("chorus_sched").critical("scheduler stopped on an error", exc_info=exc)
+        typer.echo(f"scheduler stopped on an error: {exc!r}", err=True)
+        raise typer.Exit(code=1) from None
