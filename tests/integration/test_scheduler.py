@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from kafka import KafkaProducer
 from kafka.structs import TopicPartition
@@ -156,7 +157,8 @@ class Harness:
 
 
 @pytest.fixture
-def make_settings(kafka_settings: KafkaSettings, redis_url: str, tmp_path: Path) -> Any:
+def make_settings(kafka_settings: KafkaSettings, redis_url: str, tmp_path: Path) -> Iterator[Any]:
+    """Settings for one test; its Redis keys (ledger and Celery broker) share one prefix, removed afterwards."""
     suffix = uuid.uuid4().hex[:8]
 
     def make(**overrides: Any) -> SchedulerSettings:
@@ -178,15 +180,18 @@ def make_settings(kafka_settings: KafkaSettings, redis_url: str, tmp_path: Path)
         }
         return SchedulerSettings(**fields)
 
-    return make
+    yield make
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"test-{suffix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
 
 
 @pytest.fixture
 def harness(make_settings: Any) -> Iterator[Harness]:
     settings = make_settings()
-    h = Harness(
-        settings, celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
-    )
+    h = Harness(settings, celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix))
     yield h
     h.close()
 
@@ -333,9 +338,7 @@ def test_a_better_donor_of_another_tenant_is_blocked_and_counted(harness: Harnes
 
 def test_cross_tenant_reuse_when_allowed(make_settings: Any) -> None:
     settings = make_settings(cross_tenant_reuse=True)
-    h = Harness(
-        settings, celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
-    )
+    h = Harness(settings, celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix))
     try:
         h.publish(request(request_id="theirs", tenant="globex"))
         h.wait_handled()
@@ -352,9 +355,7 @@ def test_cross_tenant_reuse_when_allowed(make_settings: Any) -> None:
 
 def test_eviction_removes_the_point_then_orders_the_objects_deleted(make_settings: Any) -> None:
     settings = make_settings(cache_budget_bytes=1500, evict_interval_s=3600)
-    h = Harness(
-        settings, celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
-    )
+    h = Harness(settings, celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix))
     try:
         h.publish(
             request(request_id="d1"),
@@ -407,7 +408,7 @@ def test_a_request_claimed_by_a_crashed_instance_is_retried_then_taken_over_once
     make_settings: Any,
 ) -> None:
     settings = make_settings()
-    app = celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    app = celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix)
     scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
     try:
         orphan = request(request_id="orphan")
@@ -433,7 +434,7 @@ def test_a_request_claimed_by_a_crashed_instance_is_retried_then_taken_over_once
 
 def test_copies_of_a_request_within_one_poll_run_once(make_settings: Any) -> None:
     settings = make_settings()
-    app = celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    app = celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix)
     scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
     try:
         twice = request(request_id="twice").to_bytes()
@@ -457,7 +458,7 @@ class BrokenEmbedder(HashingEmbedder):
 
 def test_a_request_that_keeps_failing_is_dead_lettered_after_max_attempts(make_settings: Any) -> None:
     settings = make_settings(max_attempts=2)
-    app = celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    app = celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix)
     scheduler, close = build_scheduler(settings, embedder=BrokenEmbedder(), dispatcher=Dispatcher(app))
     try:
         bad = request(request_id="cursed")
@@ -479,7 +480,7 @@ def test_a_request_that_keeps_failing_is_dead_lettered_after_max_attempts(make_s
 
 def test_redelivery_after_a_crash_between_dispatch_and_commit_does_not_duplicate(make_settings: Any) -> None:
     settings = make_settings()
-    app = celery_client(settings.broker_url, settings.state_dir, f"test-{uuid.uuid4().hex[:8]}:")
+    app = celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix)
     # An instance that handles a poll and dies before committing: its orders are on the broker, its offsets not.
     scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
     producer = bus.make_producer(settings)

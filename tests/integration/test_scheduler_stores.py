@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from chorus_sched.index import DonorEntry, DonorIndex
 from chorus_sched.ledger import Ledger, RedisLedger, RequestRecord, SqliteLedger, open_ledger
@@ -26,8 +27,16 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def prefix() -> str:
-    return f"test:{uuid.uuid4().hex}:"
+def prefix(ledger_url: str) -> Iterator[str]:
+    """Keys of one test; removed from Redis afterwards."""
+    value = f"test:{uuid.uuid4().hex}:"
+    yield value
+    if ledger_url.startswith("redis://"):
+        client = redis.Redis.from_url(ledger_url)
+        keys = list(client.scan_iter(match=f"{value}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
 
 
 @pytest.fixture
