@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from diffusers import WanTransformer3DModel
+
+# Imported from its module, not the package root: mypy resolves the root names to diffusers' dummy objects.
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from producer.catalog import ModelSpec

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from producer.contract import GenerationRequest
@@ -14,7 +16,9 @@ def reference_denoise(bundle: ModelBundle, request: GenerationRequest) -> list[t
     cond = bundle.encode_prompt(request.prompt).embeddings
     cfg = request.guidance_scale > 1.0
     uncond = bundle.encode_prompt(request.negative_prompt or "").embeddings if cfg else None
-    scheduler = bundle.make_scheduler()
+    # diffusers' schedulers and models are only loosely typed; the loop uses their runtime API.
+    scheduler: Any = bundle.make_scheduler()
+    transformer: Any = bundle.transformer
     scheduler.set_timesteps(request.num_steps, device=bundle.device)
     scheduler.set_begin_index(0)
     shape = bundle.latent_shape(request.num_frames, request.height, request.width)
@@ -23,14 +27,14 @@ def reference_denoise(bundle: ModelBundle, request: GenerationRequest) -> list[t
     )
     out = []
     for t in scheduler.timesteps:
-        v = bundle.transformer(
+        v = transformer(
             hidden_states=x.to(bundle.dtype),
             timestep=t.expand(1),
             encoder_hidden_states=cond,
             return_dict=False,
         )[0].float()
         if uncond is not None:
-            u = bundle.transformer(
+            u = transformer(
                 hidden_states=x.to(bundle.dtype),
                 timestep=t.expand(1),
                 encoder_hidden_states=uncond,

@@ -42,7 +42,7 @@ def test_tiny_model_is_deterministic():
 def test_toy_loader_reports_a_missing_module(monkeypatch):
     real = importlib.import_module
 
-    def fake(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def fake(name, *args, **kwargs):
         if name == "workers.toy.model":
             raise ModuleNotFoundError("No module named 'workers.toy.model'", name="workers.toy.model")
         return real(name, *args, **kwargs)
@@ -55,7 +55,7 @@ def test_toy_loader_reports_a_missing_module(monkeypatch):
 def test_toy_loader_reports_missing_weights(monkeypatch, tmp_path):
     import types
 
-    def load_toy_bundle(device, dtype, weights_dir):  # type: ignore[no-untyped-def]
+    def load_toy_bundle(device, dtype, weights_dir):
         raise FileNotFoundError(f"{weights_dir}/config.json")
 
     fake_module = types.SimpleNamespace(load_toy_bundle=load_toy_bundle)
@@ -80,7 +80,7 @@ def test_wan21_needs_a_directory(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def wan_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
+def wan_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("wan21")
     pipe = build_random_wan_dir(path)
     return path, pipe

@@ -156,7 +156,7 @@ def test_corrupt_donor_step_falls_back(engine, make_request):
     donor = engine.generate(make_request(num_steps=4), ReusePlan.full(4))
 
     class Corrupt(FlakyDonor):
-        def step(self, index):  # type: ignore[no-untyped-def]
+        def step(self, index):
             if index == 2:
                 raise CorruptTrajectory("sha256 mismatch")
             return super().step(index)

@@ -53,7 +53,7 @@ def test_gathered_rope_positions_match_full_sequence_positions(engine):
     transformer = engine.bundle.transformer
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def probe(module, args, kwargs):  # type: ignore[no-untyped-def]
+    def probe(module, args, kwargs):
         rope = kwargs.get("rotary_emb", args[3] if len(args) > 3 else None)
         seen.append(rope)
 

@@ -25,7 +25,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, S, 64, generator=g), torch.randn(2, L, 64, generator=g)
 
 
-def _manual(attn, hidden, text, bias_rows: dict[int, float], key_mask: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+def _manual(attn, hidden, text, bias_rows: dict[int, float], key_mask: torch.Tensor | None = None):
     """Cross-attention written out with explicit softmax weights, α applied by multiplying and renormalizing."""
     q = attn.norm_q(attn.to_q(hidden)).unflatten(2, (attn.heads, -1))
     k = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))

@@ -149,7 +149,7 @@ finite = st.floats(-1e4, 1e4, allow_nan=False, width=32)
 
 
 @st.composite
-def records(draw):  # type: ignore[no-untyped-def]
+def records(draw):
     shape = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)))
     n = 1
     for s in shape:

@@ -36,7 +36,7 @@ WORDS = [
 ]
 
 
-def build_tokenizer():  # type: ignore[no-untyped-def]
+def build_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -51,8 +51,11 @@ def build_tokenizer():  # type: ignore[no-untyped-def]
     )
 
 
-def build_random_wan_dir(path: Path, *, seed: int = 0):  # type: ignore[no-untyped-def]
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+def build_random_wan_dir(path: Path, *, seed: int = 0):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+    from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
