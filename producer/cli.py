@@ -9,6 +9,7 @@ import typer
 from chorus_sched import cli as sched_cli
 from producer import cli_produce, demo
 from workers import cli as worker_cli
+from workers.bench import quality as quality_bench
 from workers.engine import cli as engine_cli
 from workers.toy import cli as toy_cli
 
@@ -28,7 +29,7 @@ app.command("worker")(worker_cli.worker)
 app.command("generate")(engine_cli.generate)
 app.command("train-toy")(toy_cli.train_toy)
 bench_app.command("engine")(engine_cli.bench_engine)
-bench_app.command("quality")(toy_cli.bench_quality)
+bench_app.command("quality")(quality_bench.bench_quality)
 app.add_typer(bench_app, name="bench")
 
 
