@@ -226,8 +226,13 @@ class EmbeddedStack:
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
+    @property
+    def running(self) -> bool:
+        return self._started
+
     def __enter__(self) -> Self:
-        return self.start()
+        # ``with EmbeddedStack(...) as stack`` starts it; ``with stack`` after ``stack.start()`` only stops it.
+        return self if self._started else self.start()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -239,6 +244,7 @@ class EmbeddedStack:
         if self._started:
             raise StackError("the stack is already started")
         self._started = True
+        self.processes = []  # a stopped stack may be started again (the processes of its last run stay listed)
         opts = self.options
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -300,6 +306,7 @@ class EmbeddedStack:
             raise
         finally:
             self.s3 = self.kafka = None
+            self._started = False
 
     def _terminate(self, group: list[ServiceProcess]) -> None:
         for p in group:
