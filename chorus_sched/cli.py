@@ -17,6 +17,7 @@ def scheduler() -> None:
 
     from pydantic import ValidationError
 
+    from chorus_sched.metrics import serve as serve_metrics
     from chorus_sched.planner import CalibrationError
     from chorus_sched.service import run
     from chorus_sched.settings import SchedulerSettings
@@ -35,7 +36,9 @@ def scheduler() -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    exposition = None
     try:
+        exposition = serve_metrics(settings)
         run(settings, stop)
     except CalibrationError as exc:
         typer.echo(f"calibration table rejected: {exc}", err=True)
@@ -44,3 +47,6 @@ def scheduler() -> None:
         logging.getLogger("chorus_sched").critical("scheduler stopped on an error", exc_info=exc)
         typer.echo(f"scheduler stopped on an error: {exc!r}", err=True)
         raise typer.Exit(code=1) from None
+    finally:
+        if exposition is not None:
+            exposition.close()

@@ -41,6 +41,7 @@ from chorus_sched.embedding import Embedder
 from chorus_sched.grouping import Candidate, Decision, blocked_gain, decide
 from chorus_sched.index import DonorEntry, DonorIndex
 from chorus_sched.ledger import Ledger, LedgerError, RequestRecord
+from chorus_sched.metrics import METRICS
 from chorus_sched.planner import Planner
 from chorus_sched.settings import SchedulerSettings
 from producer import bus
@@ -227,6 +228,7 @@ class Scheduler:
         for m in messages:
             progress.seen(m)
             self.stats.requests += 1
+            METRICS.requests_received.inc()
             try:
                 request = parse_request(m.value)
             except ContractError as exc:
@@ -248,12 +250,14 @@ class Scheduler:
             # A second copy within this poll finds our own fresh lease ("resumed"): it is a duplicate too.
             if claim.outcome == "duplicate" or request.request_id in in_batch:
                 self.stats.duplicates += 1
+                METRICS.duplicates.inc()
                 log.info(
                     "duplicate request skipped",
                     extra={"request_id": request.request_id, "state": claim.state, "offset": m.offset},
                 )
             elif claim.outcome == "busy":
                 self.stats.busy += 1
+                METRICS.retries.labels(cause="busy").inc()
                 log.info(
                     "request is being scheduled by another instance; retrying later",
                     extra={"request_id": request.request_id, "owner": claim.owner},
@@ -271,7 +275,8 @@ class Scheduler:
             return self._finish(progress)
 
         try:
-            vectors = self._embed_requests([r for _, r in accepted])
+            with METRICS.phase("embed"):
+                vectors = self._embed_requests([r for _, r in accepted])
         except Exception as exc:
             for m, request in accepted:
                 self._failed(m, progress, exc, request)
@@ -319,6 +324,7 @@ class Scheduler:
                 "a backing service failed; the message will be retried",
                 extra={"offset": m.offset, "partition": m.partition, "error": repr(exc)},
             )
+            METRICS.retries.labels(cause="backing_service").inc()
             progress.failed(m)
             return
         attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
@@ -328,6 +334,7 @@ class Scheduler:
             extra={"offset": m.offset, "attempt": attempts, "max_attempts": self.settings.max_attempts},
         )
         if attempts < self.settings.max_attempts:
+            METRICS.retries.labels(cause="error").inc()
             progress.failed(m)
             return
         del self._attempts[key]
@@ -353,6 +360,7 @@ class Scheduler:
             offset=m.offset,
         )
         rid, tenant = _salvage(m.value or b"")
+        rejected_sent = False
         self.publish(
             self.settings.kafka_dead_letter_topic,
             rid or f"{m.topic}/{m.partition}/{m.offset}",
@@ -368,8 +376,10 @@ class Scheduler:
                 error=ErrorInfo(code=code, message=message[:2000]),
             )
             self.publish(self.settings.kafka_results_topic, rid, rejected.to_bytes())
+            rejected_sent = True
         self.ledger.mark_once(mark)
         self.stats.dead_lettered += 1
+        METRICS.count_dead_letter(code, rejected=rejected_sent)
         log.warning(
             "message dead-lettered",
             extra={
@@ -416,12 +426,14 @@ class Scheduler:
         cross = self.settings.cross_tenant_reuse
         candidates = self._candidates(vector, compat, None if cross else request.tenant)
         decision = decide(request, candidates, self.planner, grouping=self.settings.grouping)
+        blocked = False
         if not cross:
             everyone = self._candidates(vector, compat, None)
             if any(c.tenant != request.tenant for c in everyone):
                 unrestricted = decide(request, everyone, self.planner, grouping=self.settings.grouping)
                 gain = blocked_gain(request.tenant, decision, unrestricted)
                 if gain > 0 and unrestricted.donor is not None:
+                    blocked = True
                     self.stats.cross_tenant_blocked += 1
                     log.info(
                         "a better donor of another tenant was not used (cross-tenant reuse is off)",
@@ -434,11 +446,13 @@ class Scheduler:
                             "steps_forgone_estimate": gain,
                         },
                     )
+        METRICS.count_lookup(decision, cross_tenant_blocked=blocked)
         return decision
 
     def _schedule(self, request: GenerationRequest, vector: list[float] | None) -> None:
         rid = request.request_id
-        decision = self.decide(request, vector)
+        with METRICS.phase("search"):
+            decision = self.decide(request, vector)
         donor = decision.donor
         leader_entry = None
         if decision.role is Role.LEADER and vector is not None:
@@ -468,7 +482,8 @@ class Scheduler:
             ),
         )
         try:
-            self.dispatcher.generate(order)
+            with METRICS.phase("dispatch"):
+                self.dispatcher.generate(order)
         except BaseException:
             if leader_entry is not None:
                 self.index.delete([rid])
@@ -521,6 +536,7 @@ class Scheduler:
 
     def _count(self, decision: Decision) -> None:
         self.stats.dispatched += 1
+        METRICS.count_dispatch(decision)
         if decision.role is Role.LEADER:
             self.stats.leaders += 1
         elif decision.role is Role.FOLLOWER:
@@ -572,6 +588,7 @@ class Scheduler:
             )
             return
         self.stats.results += 1
+        METRICS.results.labels(status=str(result.status)).inc()
         state = self.ledger.state(rid)
         leader = record.role == str(Role.LEADER)
         if result.status is ResultStatus.DONE:
@@ -643,6 +660,7 @@ class Scheduler:
                 vector,
             )
         self.stats.donors_indexed += 1
+        METRICS.donors_indexed.inc()
         log.info(
             "donor indexed",
             extra={
@@ -679,6 +697,7 @@ class Scheduler:
             donor_id, {"hits": hits, "steps_saved": total, "last_hit_at": self.clock()}
         )
         self.stats.hits += 1
+        METRICS.count_hit(saved)
         log.info(
             "donor hit recorded",
             extra={
@@ -709,6 +728,7 @@ class Scheduler:
                     },
                 )
                 self._evict({e.request_id: e.reason for e in evictions})
+            METRICS.observe_cache(entries, evicted=[e.request_id for e in evictions])
         self.ledger.purge_expired()
         return [e.request_id for e in evictions]
 
@@ -723,6 +743,7 @@ class Scheduler:
                 self.ledger.set_state(rid, "evicted")
             self.index.delete(ids)
             self.stats.evicted += len(ids)
+            METRICS.count_evictions(reason, len(ids))
         self._flush_evictions()
 
     def _flush_evictions(self) -> None:
@@ -740,6 +761,7 @@ class Scheduler:
                 continue
             self.ledger.remove_pending_evictions(ids)
             self.stats.evict_orders += 1
+            METRICS.evict_orders.inc()
             log.info("evict order sent", extra={"request_ids": ids, "reason": reason})
 
 
@@ -890,6 +912,7 @@ class _Loop:
             max_poll_interval_ms=settings.kafka_max_poll_interval_ms,
         )
         consumer.subscribe([topic], listener=_Listener())
+        lag_probe = METRICS.lag_probe(self.name)
         backoff = 0.0
         try:
             while not self.stop.is_set():
@@ -914,6 +937,7 @@ class _Loop:
                     for tp, offset in outcome.retry.items():
                         consumer.seek(tp, offset)
                     retry = retry or bool(outcome.retry)
+                lag_probe(consumer)
                 if self.after_poll is not None:
                     self.after_poll()
                 if retry:
