@@ -72,6 +72,15 @@ def worker(
         raise typer.Exit(code=2)
     configure_logging(settings.log_level, settings.log_format)
 
+    # Metrics: multiprocess mode and the endpoint start here, in the main process, before any metric exists
+    # and before the pool forks (workers/metrics.py).
+    from workers import metrics as worker_metrics
+
+    in_main = 0 if pool == "prefork" else (1 if pool == "solo" else settings.worker_concurrency)
+    exposition = worker_metrics.serve(settings, slots_in_main=in_main)
+    worker_process_init.connect(worker_metrics.on_process_init, weak=False)
+    worker_process_shutdown.connect(worker_metrics.on_process_exit, weak=False)
+
     # Import the engine's modules (torch, diffusers) once here, before the pool forks, so each process does
     # not import them on its first order. Models are still loaded in each process (CUDA must start after fork).
     import workers.runner  # noqa: F401
@@ -107,8 +116,13 @@ def worker(
         f"[bold]chorus worker[/] {escape(name)}: models [bold]{escape(', '.join(models))}[/] on "
         f"[bold]{escape(settings.device)}[/] ({settings.dtype}); queues {escape(', '.join(queues))}; "
         f"{pool} pool, {sizing}; broker {escape(_redact(app.conf.broker_url))}"
+        + (f"; metrics on :{exposition.port}" if exposition is not None else "")
     )
-    app.worker_main(argv)
+    try:
+        app.worker_main(argv)
+    finally:
+        if exposition is not None:
+            exposition.close()
 
 
 def worker_argv(

@@ -26,6 +26,7 @@ from producer.contract import (
     ResultStatus,
 )
 from producer.settings import KafkaSettings
+from workers.metrics import metrics
 from workers.orders import WorkOrder
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,7 @@ class ResultPublisher:
                 timeout_s=self.timeout_s,
             )
         except KafkaError as exc:
+            metrics().publish_errors.inc()
             raise ResultNotPublished(
                 f"result of {result.request_id} not published to {self.settings.kafka_results_topic}: {exc!r}"
             ) from exc

@@ -22,6 +22,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 from producer.contract import GenerationResult, ReusePlan
+from workers import metrics as worker_metrics
 from workers import video
 from workers.donors import S3DonorSource, TrajectoryUploader
 from workers.engine.engine import Engine, GenerationOutput
@@ -76,6 +77,7 @@ def engine_for(model: str, settings: WorkerSettings) -> LoadedModel:
             )
             loaded = LoadedModel(Engine(bundle), time.perf_counter() - start, threading.Lock())
             _MODELS[key] = loaded
+            worker_metrics.model_loaded(model, loaded.load_s)
             log.info(
                 "model loaded",
                 extra={
@@ -134,6 +136,7 @@ class Runner:
             )
             if request_id is not None:
                 self.publisher.publish(result)
+                worker_metrics.observe_result(result, None)
             return result
 
         request_id = order.request.request_id
@@ -149,6 +152,7 @@ class Runner:
         else:
             result = self._run_safely(order, worker, progress)
         self.publisher.publish(result)
+        worker_metrics.observe_result(result, order)
         return result
 
     def _run_safely(
@@ -198,6 +202,7 @@ class Runner:
 
         if plan.reuses and donor is None:
             fallbacks.append("the plan reuses a donor but the order names none: computed in full")
+            worker_metrics.count_fallback("no_donor_ref")
             run_plan = full
         elif plan.reuses and donor is not None:
             if order.role is Role.FOLLOWER:
@@ -217,6 +222,9 @@ class Runner:
                         source = candidate
                     except (DonorUnavailable, CorruptTrajectory) as exc:
                         fallbacks.append(f"donor {donor.request_id} unusable ({exc}): computed in full")
+                        worker_metrics.count_fallback(
+                            "donor_corrupt" if isinstance(exc, CorruptTrajectory) else "donor_unavailable"
+                        )
                         run_plan = full
                 if source is not None:
                     log.info(
@@ -252,6 +260,7 @@ class Runner:
                     output = self._generate(loaded.engine, order, run_plan, source, uploader, clock, progress)
                 except IncompatibleDonor as exc:
                     fallbacks.append(f"incompatible donor ({exc}): computed in full")
+                    worker_metrics.count_fallback("donor_incompatible")
                     log.warning("incompatible donor", extra={"request_id": request_id, "error": str(exc)})
                     output = self._generate(loaded.engine, order, full, None, uploader, clock, progress)
         except BaseException:
@@ -262,6 +271,8 @@ class Runner:
         uploader.stop()
         if output.fallback:
             fallbacks.append(output.fallback)
+            gave_up = source is not None and source.gave_up
+            worker_metrics.count_fallback("leader_wait_timeout" if gave_up else "donor_step_unavailable")
 
         fmt = self.settings.video_format
         with clock.phase("decode"):
@@ -343,6 +354,7 @@ class Runner:
         clock.add("fetch", waited)
         clock.add("decode", output.decode_seconds)
         clock.add("denoise", wall - waited - output.decode_seconds)
+        worker_metrics.observe_generation(output, follower=order.role is Role.FOLLOWER, waited_s=waited)
         return output
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from celery import Celery, Task
 from pydantic import ValidationError
 
+from workers.metrics import busy, metrics
 from workers.orders import EVICT_TASK, GENERATE_TASK, EvictOrder
 from workers.results import ResultNotPublished
 from workers.store import StoreError, store_for
@@ -66,9 +67,10 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
         except Exception as exc:
             log.debug("progress not recorded", extra={"error": repr(exc)})
 
-    result = runner_for(settings).handle(
-        order_json, worker=self.request.hostname, attempt=attempt, progress=progress
-    )
+    with busy():
+        result = runner_for(settings).handle(
+            order_json, worker=self.request.hostname, attempt=attempt, progress=progress
+        )
     return {
         "request_id": result.request_id,
         "status": str(result.status),
@@ -94,6 +96,7 @@ def evict(self: Task, order_json: str) -> dict[str, Any]:
         rid: store.delete_prefix(prefix)
         for rid, prefix in zip(order.request_ids, order.prefixes, strict=True)
     }
+    metrics().evicted_objects.inc(sum(deleted.values()))
     log.info(
         "evicted donor objects",
         extra={"reason": order.reason, "request_ids": order.request_ids, "objects": sum(deleted.values())},
