@@ -166,12 +166,11 @@ def read_snapshot(directory: Path) -> SnapshotManifest | None:
     crash interrupted the swap, the complete one that is left is used.
     """
     for candidate in (directory, directory.with_name(directory.name + ".old")):
-        manifest = candidate / _MANIFEST
-        if manifest.is_file():
+        if (candidate / _MANIFEST).is_file():
             if candidate != directory:
                 shutil.rmtree(directory, ignore_errors=True)
                 candidate.rename(directory)
-            return SnapshotManifest.model_validate_json(manifest.read_bytes())
+            return SnapshotManifest.model_validate_json((directory / _MANIFEST).read_bytes())
     return None
 
 
