@@ -12,11 +12,15 @@ def scheduler() -> None:
     the batch in hand is finished and committed, then the consumers leave their groups.
     """
     import logging
+    import os
     import signal
     import threading
 
     from pydantic import ValidationError
 
+    # The scheduler is one process and keeps its metrics in memory; a PROMETHEUS_MULTIPROC_DIR inherited from an
+    # environment shared with the workers would send them to the workers' files instead (workers/metrics.py).
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     from chorus_sched.metrics import serve as serve_metrics
     from chorus_sched.planner import CalibrationError
     from chorus_sched.service import run
