@@ -9,10 +9,11 @@ progress, and then prints one row per request and the totals. Everything it show
 - **hit**: the request reused a donor's trajectory (a donor was planned and used, no fallback);
 - **steps saved**: transformer passes not run (``steps_requested − steps_computed``); **token-steps saved** also
   counts the tokens Stage 2 did not recompute (``steps_requested × (1 − tokens_computed_fraction)``);
-- **speedup**: the full-compute denoise time is the mean worker-measured denoise time of the requests of this
+- **speedup**: the full-compute denoise time is the median worker-measured denoise time of the requests of this
   run that computed every step (the ``reuse: off`` baseline of each family, and misses); the speedup of a hit is
-  that mean over the hits' mean, and the stream's speedup is (requests × that mean) over the stream's measured
-  denoise time.
+  that median over the hits' median, and the stream's speedup is (requests × that median) over the stream's
+  measured total denoise time. Before the stream, one uncounted ``reuse: off`` request per worker process warms
+  the model up.
 
 It writes to the output directory the videos (``videos/<id>.mp4`` as the worker stored it, ``videos/<id>.gif``
 made from it, 4× enlarged), ``contact_sheet.png`` (a few frames per request, labelled) and ``summary.json``.
@@ -210,9 +211,11 @@ class Totals(BaseModel):
     steps_saved: int
     token_steps_saved: float
     full_compute_requests: int
+    full_compute_denoise_median_s: float | None
+    hit_denoise_median_s: float | None
     full_compute_denoise_mean_s: float | None
     hit_denoise_mean_s: float | None
-    speedup_per_hit: float | None
+    speedup_per_hit: float | None = Field(description="full-compute median / hit median denoise time")
     stream_denoise_s: float
     stream_full_compute_estimate_s: float | None
     stream_speedup: float | None
@@ -239,15 +242,22 @@ class DemoSummary(BaseModel):
 
 
 SPEEDUP_NOTE = (
-    "Full-compute time = the mean worker-measured denoise time of this run's requests that computed every step "
-    "(each family's reuse-off baseline, and misses). Speedup per hit = that mean / the hits' mean denoise time. "
-    "Stream speedup = (done requests × that mean) / the stream's measured denoise time. Token-step speedup = "
-    "steps requested / (steps requested × tokens-computed fraction), summed over the stream."
+    "Full-compute time = the median worker-measured denoise time of this run's requests that computed every step "
+    "(each family's reuse-off baseline, and misses); medians, because other load on the machine makes single "
+    "requests slow. Speedup per hit = that median / the hits' median denoise time. Stream speedup = (done requests "
+    "× that median) / the stream's measured total denoise time. Token-step speedup = steps requested / "
+    "(steps requested × tokens-computed fraction), summed over the stream: the compute the engine skipped."
 )
 
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -259,10 +269,10 @@ def compute_totals(rows: list[RequestSummary]) -> Totals:
     done = [r for r in rows if r.status == "done"]
     full = [r.denoise_s for r in done if r.full_compute]
     hits = [r for r in done if r.hit]
-    full_mean = _mean(full)
-    hit_mean = _mean([r.denoise_s for r in hits])
+    full_median = _median(full)
+    hit_median = _median([r.denoise_s for r in hits])
     stream_denoise = sum(r.denoise_s for r in done)
-    estimate = full_mean * len(done) if full_mean is not None else None
+    estimate = full_median * len(done) if full_median is not None else None
     requested = sum(r.steps_requested for r in done)
     token_steps = sum(r.steps_requested * r.tokens_computed_fraction for r in done)
     eligible = [r for r in rows if r.reuse == "auto"]
@@ -280,9 +290,11 @@ def compute_totals(rows: list[RequestSummary]) -> Totals:
         steps_saved=sum(r.steps_requested - r.steps_computed for r in done),
         token_steps_saved=round(requested - token_steps, 6),
         full_compute_requests=len(full),
-        full_compute_denoise_mean_s=full_mean,
-        hit_denoise_mean_s=hit_mean,
-        speedup_per_hit=_ratio(full_mean, hit_mean),
+        full_compute_denoise_median_s=full_median,
+        hit_denoise_median_s=hit_median,
+        full_compute_denoise_mean_s=_mean(full),
+        hit_denoise_mean_s=_mean([r.denoise_s for r in hits]),
+        speedup_per_hit=_ratio(full_median, hit_median),
         stream_denoise_s=stream_denoise,
         stream_full_compute_estimate_s=estimate,
         stream_speedup=_ratio(estimate, stream_denoise),
@@ -818,8 +830,9 @@ def _print_report(console: Console, summary: DemoSummary, sheet: Path | None, ou
         f"({t.token_steps_saved:.1f} token-steps counting Stage 2's skipped tokens)"
     )
     console.print(
-        f"[bold]full-compute denoise[/] {_fmt(t.full_compute_denoise_mean_s, '.3f', ' s')} (mean of "
-        f"{t.full_compute_requests} full requests), [bold]with reuse[/] {_fmt(t.hit_denoise_mean_s, '.3f', ' s')}: "
+        f"[bold]full-compute denoise[/] {_fmt(t.full_compute_denoise_median_s, '.3f', ' s')} (median of "
+        f"{t.full_compute_requests} full requests), [bold]with reuse[/] "
+        f"{_fmt(t.hit_denoise_median_s, '.3f', ' s')} (median of {t.hits}): "
         f"speedup per hit [bold]{_fmt(t.speedup_per_hit, '.2f', '×')}[/]; stream "
         f"{t.stream_denoise_s:.2f} s vs {_fmt(t.stream_full_compute_estimate_s, '.2f', ' s')} all-full estimate: "
         f"[bold]{_fmt(t.stream_speedup, '.2f', '×')}[/]; token-step speedup {_fmt(t.token_step_speedup, '.2f', '×')}"

@@ -171,12 +171,33 @@ class ServiceProcess:
                     self.events.append(event)
         return self.events
 
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Stop this process alone (SIGTERM; after ``timeout_s`` its whole process group is killed); returns its
+        exit status. The stack's ``stop`` skips a process stopped this way."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("process did not stop in time; killing it", extra={"process": self.name})
+        _kill_group(self)
+        return int(self.process.returncode)
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+
+def _kill_group(p: ServiceProcess) -> None:
+    # The service led its own process group: whatever is left of it (pool processes) goes too.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.process.wait(timeout=10)
 
 
 def free_port(taken: set[int] | None = None) -> int:
@@ -319,18 +340,11 @@ class EmbeddedStack:
                 p.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("process did not stop in time; killing it", extra={"process": p.name})
-            self._kill_group(p)
-
-    def _kill_group(self, p: ServiceProcess) -> None:
-        # The service led its own process group: whatever is left of it (pool processes) goes too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.process.wait(timeout=10)
+            _kill_group(p)
 
     def _kill_all(self) -> None:
         for p in self.processes:
-            self._kill_group(p)
+            _kill_group(p)
         for service in (self.s3, self.kafka):
             if service is not None and service.process.poll() is None:
                 service.process.kill()

@@ -4,18 +4,14 @@ ledger, one Qdrant local-mode folder and one filesystem Celery broker shared thr
 Nothing may be lost or duplicated — not while both run, nor when one is stopped mid-stream and the other takes its
 partitions over — and grouping must hold across them: every family of similar requests has exactly one leader,
 whichever instance scheduled its members.
+
+The processes run in an ``EmbeddedStack`` (two schedulers, no worker), which starts them once the topics exist and
+returns when both hold partitions.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +22,7 @@ from chorus_sched.index import DonorIndex
 from chorus_sched.ledger import SqliteLedger
 from producer import bus
 from producer.contract import DeadLetter, GenerationRequest, build_request
-from producer.embedded import EmbeddedService
-from producer.settings import KafkaSettings
+from producer.stack import EmbeddedStack, ServiceProcess, StackOptions
 from workers.app import EXCHANGE, app_for_broker
 from workers.orders import GENERATE_TASK, Role, WorkOrder, queue_for
 
@@ -42,85 +37,46 @@ FAMILIES = [
 WAIT_S = 120.0
 
 
-class Instance:
-    """One ``chorus scheduler`` process and the JSON log lines it writes."""
-
-    def __init__(self, name: str, env: dict[str, str]) -> None:
-        self.name = name
-        self.lines: list[dict[str, Any]] = []
-        self.process = subprocess.Popen(
-            [str(Path(sys.executable).parent / "chorus"), "scheduler"],
-            env={**env, "CHORUS_INSTANCE_ID": name},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            try:
-                self.lines.append(json.loads(line))
-            except ValueError:
-                self.lines.append({"event": line.rstrip()})
-
-    def assignment(self, topic: str) -> list[int] | None:
-        """Partitions of ``topic`` this instance was last assigned (None before its first assignment)."""
-        found = None
-        for line in list(self.lines):
-            if line.get("event") == "partitions assigned" and line.get("topic") == topic:
-                found = list(line["partitions"])
-        return found
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout=60)
-        self._reader.join(timeout=10)
-        return code
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=30)
+def assignment(instance: ServiceProcess, topic: str) -> list[int] | None:
+    """Partitions of ``topic`` the instance was last assigned (None before its first assignment)."""
+    found = None
+    for line in list(instance.read_events()):
+        if line.get("event") == "partitions assigned" and line.get("topic") == topic:
+            found = list(line["partitions"])
+    return found
 
 
-def wait_for(condition: Any, what: str, instances: list[Instance]) -> None:
+def wait_for(condition: Any, what: str, instances: list[ServiceProcess]) -> None:
     deadline = time.monotonic() + WAIT_S
     while not condition():
         for inst in instances:
-            assert inst.process.poll() is None, f"{inst.name} exited: {inst.lines[-5:]}"
+            assert inst.alive(), f"{inst.name} exited: {inst.log_tail(5)}"
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         time.sleep(0.25)
 
 
-def test_two_scheduler_processes_lose_nothing_duplicate_nothing_and_group_correctly(
-    kafka_settings: KafkaSettings, kafka_broker: EmbeddedService, tmp_path: Path
-) -> None:
-    suffix = uuid.uuid4().hex[:8]
-    state = tmp_path / "state"
-    group = f"sched-{suffix}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHORUS_")}
-    env.update(
-        {
-            "HF_HUB_OFFLINE": "1",
-            "CHORUS_KAFKA_BOOTSTRAP": kafka_broker.address,
-            "CHORUS_KAFKA_API_VERSION": "2.1.0",
-            "CHORUS_KAFKA_REQUESTS_TOPIC": kafka_settings.kafka_requests_topic,
-            "CHORUS_KAFKA_RESULTS_TOPIC": kafka_settings.kafka_results_topic,
-            "CHORUS_KAFKA_DEAD_LETTER_TOPIC": kafka_settings.kafka_dead_letter_topic,
-            "CHORUS_KAFKA_GROUP_ID": group,
-            "CHORUS_KAFKA_RESULTS_GROUP_ID": f"{group}-results",
-            "CHORUS_KAFKA_METADATA_MAX_AGE_MS": "1000",
+def test_two_scheduler_processes_lose_nothing_duplicate_nothing_and_group_correctly(tmp_path: Path) -> None:
+    options = StackOptions(
+        state_dir=tmp_path / "state",
+        models=["toy"],
+        schedulers=2,
+        workers=0,
+        embedder="hashing",
+        persist_s3=False,
+        extra_env={
             "CHORUS_KAFKA_SESSION_TIMEOUT_MS": "6000",
             "CHORUS_KAFKA_MAX_POLL_INTERVAL_MS": "15000",
             "CHORUS_POLL_TIMEOUT_MS": "100",
-            "CHORUS_STATE_DIR": str(state),
-            "CHORUS_EMBEDDER": "hashing",
-            "CHORUS_LOG_FORMAT": "json",
-        }
+        },
     )
+    with EmbeddedStack(options) as stack:
+        _check_two_instances(stack)
+
+
+def _check_two_instances(stack: EmbeddedStack) -> None:
+    state = stack.state_dir
+    kafka_settings = stack.producer_settings
+    group = stack.scheduler_settings.kafka_group_id
     topic = kafka_settings.kafka_requests_topic
     producer = bus.make_producer(kafka_settings)
     producer.partitions_for(topic)  # the topic exists before the group forms
@@ -143,13 +99,12 @@ def test_two_scheduler_processes_lose_nothing_duplicate_nothing_and_group_correc
         progress = bus.group_progress(kafka_settings, group, topic)
         return bool(progress) and all(committed >= end for committed, end in progress.values())
 
-    a = Instance("sched-a", env)
-    b = Instance("sched-b", env)
+    a, b = stack.schedulers
     instances = [a, b]
     try:
         # both members of the group hold partitions before the stream starts
         def split() -> bool:
-            pa, pb = a.assignment(topic), b.assignment(topic)
+            pa, pb = assignment(a, topic), assignment(b, topic)
             return bool(pa) and bool(pb) and sorted((pa or []) + (pb or [])) == [0, 1, 2, 3]
 
         wait_for(split, "both instances hold requests partitions", instances)
@@ -165,8 +120,6 @@ def test_two_scheduler_processes_lose_nothing_duplicate_nothing_and_group_correc
         wait_for(all_handled, "the second batch is handled", instances)
         assert b.stop() == 0
     finally:
-        for inst in (a, b):
-            inst.kill()
         producer.close()
 
     # Every valid request id is on the queue exactly once.
@@ -203,7 +156,7 @@ def test_two_scheduler_processes_lose_nothing_duplicate_nothing_and_group_correc
     ledger = SqliteLedger(state / "ledger.sqlite3")
     schedulers = {rec.scheduler for rid in ids if (rec := ledger.record(rid)) is not None}
     ledger.close()
-    assert schedulers == {"sched-a", "sched-b"}
+    assert schedulers == {a.name, b.name}
     index = DonorIndex.connect(path=state / "qdrant", collection="chorus_donors", dim=384)
     entries = index.entries()
     index.close()
