@@ -1,10 +1,323 @@
-"""``chorus bench quality``: attribute accuracy of the toy model with and without reuse."""
+"""``chorus bench quality``: attribute accuracy of the toy model with and without reuse, beside cache-dit.
+
+Every clip is generated through ``Engine.generate`` and read back by the pixel checker (``workers.toy.checker``);
+the evaluation set uses the held-out caption templates (``world.EVAL_TEMPLATES``) over all attribute
+combinations, with noise seeds of its own. What runs, in order, is described in ``workers.bench.suite``; the pair
+classes in ``workers.bench.pairs``; cache-dit's wiring and how its skipping is verified in
+``workers.bench.cachedit``; the calibration in ``workers.bench.calibrate``.
+
+JSON report (stdout with ``--json``, and ``--out``)::
+
+    format            "chorus-bench-quality/1"
+    command           the command line
+    started_at, wall_s
+    model             name, weights_dir, weights_id (sha256), guidance_scale, guidance_source
+    settings          prompts, seeds, steps, rows, classes, ablation_alphas, cachedit settings, quick, threads, ...
+    calibration       null, or (with --calibrate) the calibration set, the derived rows with the pairs routed to
+                      each, and per regime and row every candidate tried (k1/k2/k3, α, threshold, evaluated,
+                      wrong, allowed_wrong, passed, stopped_early, compute means) and the chosen one
+    calibration_table path, provisional, source of the table the chorus rows used
+    pair_classes      per class: n, similarity {mean,min,max} (MiniLM cosine), content_changes {mean,min,max},
+                      planner_rows_<N> {row name or "none": count}
+    rows              one object per measured row:
+                        id ("<method>[/<class>]@<N>"), method (no-reuse | cachedit | chorus | chorus-alpha1 | probe |
+                        chorus+cachedit), steps, pair_class (null, a class, or "all" for the pooled reuse-heavy set),
+                        description, n, accuracy {color, shape, direction, background, all}, all_correct_ci95,
+                        steps_computed_mean, tokens_computed_fraction_mean, block_compute_fraction_mean,
+                        reused_fraction, fallbacks, seconds_mean; against the no-reuse clips of the same targets:
+                        no_reuse_all, delta_all_vs_no_reuse, lost, gained; cache-dit rows: cachedit {cache_passes_mean,
+                        cached_steps_mean, computed_steps_mean, uncached_subset_passes_mean, block_calls_total,
+                        expected_block_calls_total, skips_verified} and cachedit_settings; chorus rows: plans
+                        {label: count}; probe rows: plan
+    targets           no_reuse_all_correct_<N> {value, target, met}, chorus_within_1pt_<N> {value, no_reuse, delta,
+                      reused_fraction, met}, tgaa_probe_all_correct_<N> {class: {alpha<α>: accuracy}}
+    contact_sheets    [{steps, path, size}]
+"""
 
 from __future__ import annotations
 
-from producer.unbuilt import not_built
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+import typer
+
+# --quick: 2 prompts × 1 seed, 2 steps, 2 calibration prompts, probe α 1 and 2, 2 prompts on the contact sheet
+QUICK_PROMPTS, QUICK_STEPS, QUICK_CALIBRATION_PROMPTS, QUICK_ALPHAS, QUICK_SHEET_PROMPTS = 2, "2", 2, "1,2", 2
 
 
-def bench_quality() -> None:
-    """Not built yet."""
-    not_built("bench quality", "[toy-model]")
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{what}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise typer.BadParameter(f"{what}: need at least one positive integer")
+    return values
+
+
+def _names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise typer.BadParameter(f"{what}: unknown {unknown} (known: {', '.join(known)})")
+    return values
+
+
+def resolve_guidance(weights_dir: Path, explicit: float | None) -> tuple[float, str]:
+    """The guidance scale: explicit, else the one the weights were evaluated with (``train_config.json``'s
+    ``eval_guidance``, the model card), else the toy catalog default."""
+    from producer.catalog import CATALOG
+
+    if explicit is not None:
+        return explicit, "--guidance"
+    card = weights_dir / "train_config.json"
+    if card.exists():
+        try:
+            value = json.loads(card.read_text()).get("eval_guidance")
+        except (OSError, json.JSONDecodeError):
+            value = None
+        if isinstance(value, int | float):
+            return float(value), f"{card} eval_guidance"
+    return CATALOG["toy"].default_guidance_scale, "toy catalog default"
+
+
+def _command(ctx: typer.Context) -> str:
+    """The command line that reproduces this run: every option not left at its default, as given."""
+    parts = ["chorus", "bench", "quality"]
+    for param in ctx.command.params:
+        name = param.name
+        opts = getattr(param, "opts", None)
+        if name is None or not opts:
+            continue
+        source = ctx.get_parameter_source(name)
+        if source is None or source.name == "DEFAULT":
+            continue
+        value = ctx.params[name]
+        if getattr(param, "is_flag", False):
+            secondary = getattr(param, "secondary_opts", None)
+            if value:
+                parts.append(opts[0])
+            elif secondary:
+                parts.append(secondary[0])
+            continue
+        parts += [opts[0], str(value)]
+    return shlex.join(parts)
+
+
+def bench_quality(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the JSON report on stdout (otherwise a table)."
+    ),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Also write the JSON report here."),
+    weights_dir: Path | None = typer.Option(
+        None, help="Toy weights directory (default: $CHORUS_TOY_WEIGHTS_DIR or workers/toy/weights)."
+    ),
+    prompts: int = typer.Option(64, min=1, help="Evaluation prompts (held-out templates)."),
+    seeds: int = typer.Option(1, min=1, help="Noise seeds per prompt."),
+    steps: str = typer.Option("4,50", help="Comma-separated step counts (regimes)."),
+    rows: str = typer.Option(
+        "no-reuse,chorus,tgaa,cachedit,chorus-cachedit,sheet",
+        help="Which rows: no-reuse, chorus, tgaa, cachedit, chorus-cachedit, sheet ('' for none, e.g. calibration only).",
+    ),
+    classes: str = typer.Option(
+        "same-prompt,one-attribute,two-attributes,paraphrase,reworded-one-attribute",
+        help="Donor pair classes.",
+    ),
+    guidance: float | None = typer.Option(
+        None, help="Guidance scale (default: the weights' train_config eval_guidance, else the catalog's)."
+    ),
+    ablation_alphas: str = typer.Option(
+        "1,2,4", help="TGAA α values of the fixed probe plan (k1=N/4, k2=N/2)."
+    ),
+    cachedit_thresholds: str = typer.Option(
+        "0.08,0.16",
+        help="DBCache residual-diff thresholds, one cache-dit row each; the first is combined with Chorus.",
+    ),
+    cachedit_fn: int = typer.Option(1, min=1, help="DBCache Fn_compute_blocks."),
+    cachedit_bn: int = typer.Option(0, min=0, help="DBCache Bn_compute_blocks."),
+    cachedit_warmup: int | None = typer.Option(
+        None, min=0, help="DBCache max_warmup_steps (default: max(1, min(8, N//4)))."
+    ),
+    calibration: Path | None = typer.Option(
+        None,
+        help="Calibration table the chorus rows plan with (default: the packaged chorus_sched/calibration.json).",
+    ),
+    calibrate: bool = typer.Option(
+        False, "--calibrate", help="First sweep the plans and write the planner's table."
+    ),
+    calibration_out: Path | None = typer.Option(
+        None, help="Where --calibrate writes the table (default: the packaged chorus_sched/calibration.json)."
+    ),
+    calibration_prompts: int = typer.Option(
+        64, min=1, help="Calibration-set prompts (apart from the evaluation set)."
+    ),
+    calibration_seeds: int = typer.Option(1, min=1, help="Calibration-set noise seeds per prompt."),
+    tolerance: float = typer.Option(
+        0.01, min=0.0, max=1.0, help="Accepted all-attribute accuracy loss (0.01 = 1 point)."
+    ),
+    out_dir: Path = typer.Option(Path("out/bench-quality"), help="Where contact sheets are written."),
+    sheet_prompts: int = typer.Option(4, min=0, help="Prompts on each contact sheet."),
+    threads: int = typer.Option(1, min=1, help="torch CPU threads."),
+    quick: bool = typer.Option(False, "--quick", help="Tiny smoke setting (2 prompts, 2 steps) for tests."),
+) -> None:
+    """Attribute accuracy with and without Chorus reuse (TGAA ablation) and cache-dit; optionally calibrate."""
+    import torch
+
+    from producer.catalog import CATALOG
+    from workers.bench import suite
+    from workers.bench.cachedit import CacheDiTSettings
+    from workers.bench.calibrate import default_grid
+    from workers.bench.pairs import PAIR_CLASSES
+    from workers.engine.registry import load_bundle
+    from workers.toy.model import WEIGHTS_DIR, WEIGHTS_FILE, sha256_file
+
+    if quick:
+        prompts, seeds, steps = QUICK_PROMPTS, 1, QUICK_STEPS
+        calibration_prompts, ablation_alphas = QUICK_CALIBRATION_PROMPTS, QUICK_ALPHAS
+        sheet_prompts = min(sheet_prompts, QUICK_SHEET_PROMPTS)
+    torch.set_num_threads(threads)
+    step_list = _ints(steps, "--steps")
+    row_list = _names(rows, suite.ROW_KINDS, "--rows")
+    class_list = _names(classes, PAIR_CLASSES, "--classes")
+    alphas = _floats(ablation_alphas, "--ablation-alphas")
+    if any(not 1.0 <= a <= 20.0 for a in alphas):
+        raise typer.BadParameter("--ablation-alphas: each α must be within [1, 20]")
+    thresholds = _floats(cachedit_thresholds, "--cachedit-thresholds") or (0.08,)
+    wdir = weights_dir or Path(os.environ.get("CHORUS_TOY_WEIGHTS_DIR") or WEIGHTS_DIR)
+    if not (wdir / WEIGHTS_FILE).exists():
+        raise typer.BadParameter(f"no toy weights in {wdir} (train them with `chorus train-toy`)")
+    for n in step_list:
+        why = CATALOG["toy"].num_steps.check(n)
+        if why is not None:
+            raise typer.BadParameter(f"--steps {n}: {why}")
+    g, g_source = resolve_guidance(wdir, guidance)
+    cache_settings = tuple(
+        CacheDiTSettings(
+            fn_compute_blocks=cachedit_fn,
+            bn_compute_blocks=cachedit_bn,
+            residual_diff_threshold=t,
+            max_warmup_steps=cachedit_warmup,
+        )
+        for t in thresholds
+    )
+    from chorus_sched.planner import default_calibration_path
+
+    cal_out = calibration_out or default_calibration_path()
+    settings: dict[str, Any] = {
+        "prompts": prompts,
+        "seeds": seeds,
+        "targets": prompts * seeds,
+        "steps": list(step_list),
+        "rows": list(row_list),
+        "classes": list(class_list),
+        "ablation_alphas": list(alphas),
+        "probe_plan": {"k1_fraction": suite.PROBE_K1, "k2_fraction": suite.PROBE_K2},
+        "cachedit": [
+            {k: v for k, v in s.describe(0).items() if k != "max_warmup_steps"}
+            | {
+                "max_warmup_steps": s.max_warmup_steps
+                if s.max_warmup_steps is not None
+                else "max(1, min(8, N//4))"
+            }
+            for s in cache_settings
+        ],
+        "calibrate": calibrate,
+        "calibration_prompts": calibration_prompts,
+        "calibration_seeds": calibration_seeds,
+        "tolerance": tolerance,
+        "quick": quick,
+        "threads": threads,
+        "eval_set": "workers.bench.pairs.eval_targets(prompts, seeds) (EVAL_TEMPLATES, seed base 2000000)",
+    }
+    if calibrate:
+        settings["calibration_grid"] = {str(n): default_grid(n) for n in step_list}
+
+    def load() -> Any:
+        return load_bundle("toy", toy_weights_dir=wdir)
+
+    config = suite.BenchConfig(
+        load_bundle=load,
+        weights={"weights_dir": str(wdir), "weights_id": sha256_file(wdir / WEIGHTS_FILE)},
+        guidance=g,
+        guidance_source=g_source,
+        prompts=prompts,
+        seeds=seeds,
+        steps=step_list,
+        rows=row_list,
+        classes=class_list,
+        ablation_alphas=alphas,
+        cachedit=cache_settings,
+        calibration_path=calibration,
+        calibrate=calibrate,
+        calibration_out=cal_out,
+        calibration_prompts=calibration_prompts,
+        calibration_seeds=calibration_seeds,
+        tolerance=tolerance,
+        out_dir=out_dir,
+        sheet_prompts=sheet_prompts,
+        command=_command(ctx),
+        quick=quick,
+        settings_report=settings,
+    )
+    report = suite.run(config, suite.Progress(enabled=True))
+    text = suite.dumps(report)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    if as_json:
+        typer.echo(text)
+        return
+    _print_table(report)
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"chorus bench quality ({report['model'].get('weights_id', '')[:12]})")
+    for col in (
+        "row",
+        "n",
+        "all",
+        "Δ vs none",
+        "color",
+        "shape",
+        "dir",
+        "bg",
+        "steps",
+        "tokens",
+        "compute",
+        "reused",
+    ):
+        table.add_column(col)
+    for r in report.get("rows", []):
+        acc = r["accuracy"]
+        delta = r.get("delta_all_vs_no_reuse")
+        table.add_row(
+            r["id"],
+            str(r["n"]),
+            f"{acc['all']:.3f}",
+            "" if delta is None else f"{delta:+.3f}",
+            f"{acc['color']:.2f}",
+            f"{acc['shape']:.2f}",
+            f"{acc['direction']:.2f}",
+            f"{acc['background']:.2f}",
+            f"{r['steps_computed_mean']:.2f}",
+            f"{r['tokens_computed_fraction_mean']:.3f}",
+            f"{r['block_compute_fraction_mean']:.3f}",
+            f"{r['reused_fraction']:.2f}",
+        )
+    Console().print(table)
+    for name, t in report.get("targets", {}).items():
+        Console().print(f"{name}: {t}")

@@ -1,0 +1,149 @@
+"""The calibration sweep and the table it writes: rows match the measured classes the way the planner matches,
+the most reuse within tolerance wins, and the planner reproduces the chosen plans."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from chorus_sched.embedding import token_diff
+from chorus_sched.planner import Planner, load_calibration, write_calibration
+from producer.contract import ReusePlan
+from workers.bench import calibrate as cal
+from workers.bench.pairs import eval_targets, make_pairs
+
+SIMILARITY = {
+    "same-prompt": 1.0,
+    "one-attribute": 0.9,
+    "two-attributes": 0.7,
+    "paraphrase": 0.6,
+    "reworded-one-attribute": 0.55,
+}
+
+
+def _facts() -> list[cal.PairFacts]:
+    ignorable = frozenset(cal.DEFAULT_IGNORABLE)
+    out = []
+    for i, p in enumerate(make_pairs(eval_targets(12))):
+        sim = SIMILARITY[p.pair_class] - 0.01 * (i % 3)
+        out.append(
+            cal.PairFacts(p, sim, token_diff(p.donor_prompt, p.target.prompt).content_changes(ignorable))
+        )
+    return out
+
+
+def test_rows_cover_the_measured_classes_in_planner_order() -> None:
+    facts = _facts()
+    rows = cal.derive_rows(facts)
+    assert [r.name for r in rows] == [
+        "same-prompt",
+        "one-attribute",
+        "two-attributes",
+        cal.BLOCKER,
+        "paraphrase",
+    ]
+    assert [r.max_content_changes for r in rows[:4]] == [0, 1, 2, 3]
+    lowest = min(f.similarity for f in facts if f.pair.pair_class == "one-attribute")
+    assert rows[1].min_similarity == cal.floor2(lowest - 1e-6) <= lowest < rows[1].min_similarity + 0.011
+    assert rows[3].min_similarity == -1.0
+    for f in facts:
+        routed = cal.route(rows, f.similarity, f.content_changes)
+        if f.pair.pair_class in ("same-prompt", "one-attribute", "two-attributes"):
+            assert routed is not None and routed.name == f.pair.pair_class
+        elif routed is not None:  # below every row's similarity: no row, no reuse
+            assert routed.name in ("paraphrase", cal.BLOCKER)
+    # a one-word change below the measured similarities is not reused by a wider row
+    assert cal.route(rows, 0.3, 1) is rows[3]
+
+
+def test_fractions_round_trip_through_the_planner_floor() -> None:
+    for n in (2, 4, 7, 8, 50, 999):
+        for k in range(n):
+            assert math.floor(cal.fraction(k, n) * n) == k
+
+
+def test_candidates_most_reuse_first() -> None:
+    grid = cal.candidates(4, *cal.default_grid(4))
+    assert grid[0] == cal.Candidate(3, 0)
+    assert all(c.k1 + c.k2 < 4 and c.k1 + c.k2 > 0 for c in grid)
+    reuse = [c.estimated_reuse() for c in grid]
+    assert reuse == sorted(reuse, reverse=True)
+    assert len(set(grid)) == len(grid)
+    assert {c.alpha for c in grid if c.k2} == {1.0, 2.0, 4.0}
+
+
+def test_sweep_picks_the_most_reuse_within_tolerance_and_rejects_early() -> None:
+    n = 4
+    grid = [cal.Candidate(3, 0), cal.Candidate(2, 0), cal.Candidate(1, 2, 2.0), cal.Candidate(1, 0)]
+    baseline = [True] * 18 + [False] * 2
+    calls: list[tuple[int, ReusePlan]] = []
+
+    def evaluate(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
+        calls.append((i, plan))
+        if plan.stage1_steps == 3:
+            ok = i % 2 == 0  # half wrong: rejected after 3 wrong
+        elif plan.stage1_steps == 2:
+            ok = baseline[i] and i != 17  # one clip more wrong than allowed, known only at the end
+        else:
+            ok = baseline[i]
+        steps = n - plan.stage1_steps
+        return ok, steps, steps / n, steps / n
+
+    assert cal.allowed_wrong(baseline, 0.01) == 2
+    assert cal.allowed_wrong([True] * 100, 0.01) == 1
+    chosen, trials = cal.sweep(n, grid, baseline, evaluate, tolerance=0.01)
+    assert chosen == cal.Candidate(1, 2, 2.0)
+    assert [t.passed for t in trials] == [False, False, True]
+    assert trials[0].stopped_early and trials[0].evaluated == 6 and trials[0].wrong == 3
+    assert not trials[1].stopped_early and trials[1].evaluated == 20 and trials[1].wrong == 3
+    assert trials[2].evaluated == 20 and trials[2].steps_computed_mean == 3
+
+
+def test_written_table_is_what_the_planner_uses(tmp_path: Path) -> None:
+    facts = _facts()
+    rows = cal.derive_rows(facts)
+    chosen = {
+        "same-prompt": cal.Candidate(3, 0),
+        "one-attribute": cal.Candidate(0, 2, 4.0, 0.3),
+        "two-attributes": None,
+        "paraphrase": cal.Candidate(1, 0),
+    }
+    regimes = []
+    for name, n, _ in cal.regime_bounds([4, 50]):
+        scaled = {
+            k: (None if c is None else cal.Candidate(c.k1 * n // 4, c.k2 * n // 4, c.alpha, c.threshold))
+            for k, c in chosen.items()
+        }
+        table_rows = [
+            cal.table_row(r, n, scaled.get(r.name), {"steps": float(n)} if r.calibrated else None)
+            for r in rows
+        ]
+        regimes.append((name, n, table_rows))
+    table = cal.build_table(regimes, "chorus bench quality --calibrate (test)", "test")
+    path = tmp_path / "calibration.json"
+    write_calibration(table, path)
+    loaded = load_calibration(path)
+    assert not loaded.provisional and loaded.source.endswith("(test)")
+    assert [(r.name, r.max_steps) for r in loaded.regimes] == [("few-step", 8), ("many-step", 1000)]
+    planner = Planner(loaded)
+    for n in (4, 50):
+        for f in facts:
+            choice = planner.plan(f.similarity, token_diff(f.pair.donor_prompt, f.pair.target.prompt), n)
+            spec = cal.route(rows, f.similarity, f.content_changes)
+            cand = None if spec is None else chosen.get(spec.name)
+            if spec is None or cand is None:
+                assert not choice.plan.reuses
+                continue
+            assert choice.row == spec.name
+            assert choice.plan.stage1_steps == cand.k1 * n // 4
+            assert choice.plan.stage2_steps == cand.k2 * n // 4
+            assert choice.plan.alpha == cand.alpha
+
+
+def test_regime_bounds() -> None:
+    assert cal.regime_bounds([50, 4]) == [("few-step", 4, 8), ("many-step", 50, 1000)]
+    assert cal.regime_bounds([2]) == [("few-step", 2, 1000)]
+    with pytest.raises(ValueError):
+        cal.regime_bounds([4, 6])

@@ -1,0 +1,310 @@
+"""Calibration of the reuse planner's table from measured attribute accuracy (``chorus bench quality --calibrate``).
+
+1. **Rows from the pair classes.** On a calibration set (its own prompts and noise seeds, apart from the
+   benchmark's), every pair class is embedded (MiniLM) and word-diffed exactly as the scheduler does. Each measured
+   class becomes a planner row whose admission rule (``min_similarity`` = the lowest similarity seen in the class,
+   rounded down to 0.01; ``max_content_changes`` = the most content-word changes seen) covers what was measured:
+   ``same-prompt`` (0 changes), ``one-attribute`` (1), ``two-attributes`` (2), then a blocker row that never
+   reuses for small changes below the measured similarities and for 3 changes (not measured), then
+   ``paraphrase``. The planner takes the first row that admits a pair, so each pair is *routed* to one row by the
+   very rule the planner applies, and every row is calibrated on all the pairs it admits — e.g. the paraphrase
+   row also sees the ``reworded-one-attribute`` pairs it cannot tell from paraphrases.
+2. **Candidates, most reuse first.** Per regime (a calibrated step count N), candidate plans (k1, k2 in steps; α and
+   mask threshold when k2 > 0) are ordered by estimated reuse ``k1 + k2/2`` (ties: larger k1, higher threshold,
+   smaller α).
+3. **Paired acceptance.** A candidate passes a row when its all-attribute accuracy on the row's pairs is at least
+   the no-reuse accuracy of the same targets (same seeds) minus ``tolerance`` (1 point): it may get at most
+   ``floor(tolerance · n)`` more clips wrong. Evaluation stops as soon as the candidate has more wrong clips than
+   that allows (an exact early rejection, not an estimate). The first candidate that passes is the row's plan; if
+   none does, the row keeps no reuse (k1 = k2 = 0).
+4. ``write_calibration`` writes the table (``provisional: false``, ``source`` = the command, ``measured`` per row).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from chorus_sched.planner import CalibrationRow, CalibrationTable, Regime
+from producer.contract import ReusePlan
+from workers.bench.pairs import Pair
+
+EMBEDDER = "all-minilm-l6-v2"
+BLOCKER = "unmeasured-small-change"
+DEFAULT_IGNORABLE = (
+    "a", "an", "the", "on", "in", "over", "across", "with", "and", "of", "to", "at", "its", "is", "are",
+    "toward", "towards", "against", "into", "onto", "along", "through", "while", "that", "which", "there",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    name: str
+    min_similarity: float
+    max_content_changes: int
+    classes: tuple[str, ...]  # the pair classes the row was drawn from (empty for the blocker)
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.classes)
+
+    def admits(self, similarity: float, changes: int) -> bool:
+        return similarity >= self.min_similarity and changes <= self.max_content_changes
+
+
+@dataclass(frozen=True)
+class PairFacts:
+    """What the planner sees of a pair."""
+
+    pair: Pair
+    similarity: float
+    content_changes: int
+
+
+def floor2(x: float) -> float:
+    return math.floor(x * 100 + 1e-9) / 100
+
+
+def derive_rows(facts: Sequence[PairFacts]) -> list[RowSpec]:
+    """Planner rows covering the measured classes (see the module docstring)."""
+    by_class: dict[str, list[PairFacts]] = {}
+    for f in facts:
+        by_class.setdefault(f.pair.pair_class, []).append(f)
+    rows: list[RowSpec] = []
+
+    def add(name: str, cls: str, max_changes: int | None = None) -> None:
+        group = by_class.get(cls)
+        if not group:
+            return
+        min_sim = floor2(min(f.similarity for f in group) - 1e-6)
+        most = max(f.content_changes for f in group) if max_changes is None else max_changes
+        rows.append(RowSpec(name, min_sim, most, (cls,)))
+
+    add("same-prompt", "same-prompt", 0)
+    add("one-attribute", "one-attribute", 1)
+    add("two-attributes", "two-attributes", 2)
+    small = [r for r in rows if r.max_content_changes <= 2]
+    rows.append(RowSpec(BLOCKER, -1.0, 3 if small else 0, ()))
+    add("paraphrase", "paraphrase")
+    # a paraphrase row no wider than the blocker would never apply
+    return [r for r in rows if not (r.name == "paraphrase" and r.max_content_changes <= 3)]
+
+
+def route(rows: Sequence[RowSpec], similarity: float, changes: int) -> RowSpec | None:
+    """The first row that admits the pair — the planner's rule."""
+    for row in rows:
+        if row.admits(similarity, changes):
+            return row
+    return None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    k1: int
+    k2: int
+    alpha: float = 1.0
+    threshold: float = 0.5
+
+    def plan(self, num_steps: int) -> ReusePlan:
+        return ReusePlan(
+            stage1_steps=self.k1,
+            stage2_steps=self.k2,
+            stage3_steps=num_steps - self.k1 - self.k2,
+            alpha=self.alpha,
+            mask_threshold=self.threshold,
+        )
+
+    def estimated_reuse(self) -> float:
+        return self.k1 + 0.5 * self.k2
+
+
+def default_grid(num_steps: int) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(k1 fractions, k2 fractions, α values, mask thresholds) swept by default for ``num_steps``."""
+    if num_steps <= 8:
+        return [0.0, 0.25, 0.5, 0.75], [0.0, 0.25, 0.5, 0.75], [1.0, 2.0, 4.0], [0.3, 0.6]
+    return [i / 10 for i in range(10)], [0.0, 0.1, 0.2, 0.4], [1.0, 4.0], [0.5]
+
+
+def candidates(
+    num_steps: int,
+    k1_fractions: Sequence[float],
+    k2_fractions: Sequence[float],
+    alphas: Sequence[float],
+    thresholds: Sequence[float],
+) -> list[Candidate]:
+    """Every distinct plan of the grid that reuses and leaves Stage 3 at least one step, most reuse first."""
+    k1s = sorted({math.floor(f * num_steps + 1e-9) for f in k1_fractions})
+    k2s = sorted({math.floor(f * num_steps + 1e-9) for f in k2_fractions})
+    out: set[Candidate] = set()
+    for k1 in k1s:
+        for k2 in k2s:
+            if k1 + k2 == 0 or k1 + k2 >= num_steps:
+                continue
+            if k2 == 0:
+                out.add(Candidate(k1, 0))
+            else:
+                out.update(Candidate(k1, k2, a, t) for a in alphas for t in thresholds)
+    return sorted(out, key=lambda c: (-c.estimated_reuse(), -c.k1, -c.threshold, c.alpha))
+
+
+def fraction(k: int, num_steps: int) -> float:
+    """``k / N`` rounded for the table, such that the planner's ``floor(f · N)`` gives back ``k``."""
+    f = round(k / num_steps, 6)
+    while math.floor(f * num_steps) < k:
+        f += 1e-6
+    return f
+
+
+@dataclass
+class Trial:
+    candidate: Candidate
+    evaluated: int
+    wrong: int
+    allowed_wrong: int
+    passed: bool
+    stopped_early: bool
+    steps_computed_mean: float
+    tokens_fraction_mean: float
+    block_fraction_mean: float
+
+    def as_dict(self, num_steps: int) -> dict[str, Any]:
+        c = self.candidate
+        return {
+            "k1": c.k1,
+            "k2": c.k2,
+            "k3": num_steps - c.k1 - c.k2,
+            "alpha": c.alpha,
+            "mask_threshold": c.threshold,
+            "evaluated": self.evaluated,
+            "wrong": self.wrong,
+            "allowed_wrong": self.allowed_wrong,
+            "passed": self.passed,
+            "stopped_early": self.stopped_early,
+            "steps_computed_mean": round(self.steps_computed_mean, 3),
+            "tokens_computed_fraction_mean": round(self.tokens_fraction_mean, 4),
+            "block_compute_fraction_mean": round(self.block_fraction_mean, 4),
+        }
+
+
+# (item index, plan) -> (all attributes correct, steps computed, tokens fraction, block fraction)
+EvalFn = Callable[[int, ReusePlan], tuple[bool, int, float, float]]
+
+
+def allowed_wrong(baseline: Sequence[bool], tolerance: float) -> int:
+    return sum(1 for b in baseline if not b) + math.floor(tolerance * len(baseline) + 1e-9)
+
+
+def sweep(
+    num_steps: int,
+    grid: Sequence[Candidate],
+    baseline: Sequence[bool],
+    evaluate: EvalFn,
+    tolerance: float = 0.01,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> tuple[Candidate | None, list[Trial]]:
+    """Try ``grid`` in order on the items (``baseline[i]``: item i correct without reuse); the first candidate
+    within ``tolerance`` of no reuse wins."""
+    limit = allowed_wrong(baseline, tolerance)
+    trials: list[Trial] = []
+    for cand in grid:
+        plan = cand.plan(num_steps)
+        wrong = 0
+        steps: list[int] = []
+        tokens: list[float] = []
+        blocks: list[float] = []
+        early = False
+        for i in range(len(baseline)):
+            ok, s, tf, bf = evaluate(i, plan)
+            steps.append(s)
+            tokens.append(tf)
+            blocks.append(bf)
+            wrong += not ok
+            if wrong > limit:
+                early = i + 1 < len(baseline)
+                break
+        n = len(steps)
+        trial = Trial(
+            cand,
+            n,
+            wrong,
+            limit,
+            wrong <= limit,
+            early,
+            sum(steps) / n,
+            sum(tokens) / n,
+            sum(blocks) / n,
+        )
+        trials.append(trial)
+        if on_trial is not None:
+            on_trial(trial)
+        if trial.passed:
+            return cand, trials
+    return None, trials
+
+
+@dataclass
+class RegimeResult:
+    num_steps: int
+    rows: list[CalibrationRow] = field(default_factory=list)
+    report: list[dict[str, Any]] = field(default_factory=list)
+
+
+def regime_bounds(steps: Sequence[int]) -> list[tuple[str, int, int]]:
+    """(name, calibrated N, max_steps) per regime: each covers up to twice its N, the last up to 1000."""
+    ordered = sorted(set(steps))
+    out: list[tuple[str, int, int]] = []
+    for i, n in enumerate(ordered):
+        last = i == len(ordered) - 1
+        name = "few-step" if n <= 8 else "many-step"
+        if any(o[0] == name for o in out):
+            name = f"{name}-{n}"
+        out.append((name, n, 1000 if last else max(2 * n, n + 1)))
+    for (_, _, a), (_, n, _) in itertools.pairwise(out):
+        if a >= n:
+            raise ValueError(f"calibrated step counts {ordered} are too close for separate regimes")
+    return out
+
+
+def table_row(
+    spec: RowSpec, num_steps: int, chosen: Candidate | None, measured: dict[str, float] | None
+) -> CalibrationRow:
+    if chosen is None:
+        return CalibrationRow(
+            name=spec.name,
+            min_similarity=spec.min_similarity,
+            max_content_changes=spec.max_content_changes,
+            k1=0.0,
+            k2=0.0,
+            measured=measured,
+        )
+    return CalibrationRow(
+        name=spec.name,
+        min_similarity=spec.min_similarity,
+        max_content_changes=spec.max_content_changes,
+        k1=fraction(chosen.k1, num_steps),
+        k2=fraction(chosen.k2, num_steps),
+        alpha=chosen.alpha,
+        mask_threshold=chosen.threshold,
+        measured=measured,
+    )
+
+
+def build_table(
+    regimes: Sequence[tuple[str, int, list[CalibrationRow]]],
+    source: str,
+    note: str,
+    ignorable: Sequence[str] = DEFAULT_IGNORABLE,
+) -> CalibrationTable:
+    bounds = {n: m for _, n, m in regime_bounds([n for _, n, _ in regimes])}
+    return CalibrationTable(
+        format="chorus-calibration/1",
+        provisional=False,
+        note=note,
+        source=source,
+        embedder=EMBEDDER,
+        ignorable_words=list(ignorable),
+        regimes=[Regime(name=name, max_steps=bounds[n], rows=rows) for name, n, rows in regimes],
+    )
