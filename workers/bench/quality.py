@@ -141,7 +141,7 @@ def bench_quality(
         "1,2,4", help="TGAA α values of the fixed probe plan (k1=N/4, k2=N/2)."
     ),
     cachedit_thresholds: str = typer.Option(
-        "0.08,0.16",
+        "0.08,0.16,0.5",
         help="DBCache residual-diff thresholds, one cache-dit row each; the first is combined with Chorus.",
     ),
     cachedit_fn: int = typer.Option(1, min=1, help="DBCache Fn_compute_blocks."),
