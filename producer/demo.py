@@ -11,8 +11,8 @@ progress, and then prints one row per request and the totals. Everything it show
   counts the tokens Stage 2 did not recompute (``steps_requested × (1 − tokens_computed_fraction)``);
 - **speedup**: the full-compute denoise time is the median worker-measured denoise time of the requests of this
   run that computed every step (the ``reuse: off`` baseline of each family, and misses); the speedup of a hit is
-  that median over the hits' median, and the stream's speedup is (requests × that median) over the stream's
-  measured total denoise time. Before the stream, one uncounted ``reuse: off`` request per worker process warms
+  that median over the hits' median, and the stream's speedup is (requests × the full-compute mean) over the
+  stream's measured total denoise time. Before the stream, one uncounted ``reuse: off`` request per worker process warms
   the model up.
 
 It writes to the output directory the videos (``videos/<id>.mp4`` as the worker stored it, ``videos/<id>.gif``
@@ -245,7 +245,7 @@ SPEEDUP_NOTE = (
     "Full-compute time = the median worker-measured denoise time of this run's requests that computed every step "
     "(each family's reuse-off baseline, and misses); medians, because other load on the machine makes single "
     "requests slow. Speedup per hit = that median / the hits' median denoise time. Stream speedup = (done requests "
-    "× that median) / the stream's measured total denoise time. Token-step speedup = steps requested / "
+    "× the full-compute mean) / the stream's measured total denoise time. Token-step speedup = steps requested / "
     "(steps requested × tokens-computed fraction), summed over the stream: the compute the engine skipped."
 )
 
@@ -271,8 +271,10 @@ def compute_totals(rows: list[RequestSummary]) -> Totals:
     hits = [r for r in done if r.hit]
     full_median = _median(full)
     hit_median = _median([r.denoise_s for r in hits])
+    full_mean = _mean(full)
     stream_denoise = sum(r.denoise_s for r in done)
-    estimate = full_median * len(done) if full_median is not None else None
+    # A total compares with a total: the stream's measured sum against (requests × the full-compute mean).
+    estimate = full_mean * len(done) if full_mean is not None else None
     requested = sum(r.steps_requested for r in done)
     token_steps = sum(r.steps_requested * r.tokens_computed_fraction for r in done)
     eligible = [r for r in rows if r.reuse == "auto"]
@@ -292,7 +294,7 @@ def compute_totals(rows: list[RequestSummary]) -> Totals:
         full_compute_requests=len(full),
         full_compute_denoise_median_s=full_median,
         hit_denoise_median_s=hit_median,
-        full_compute_denoise_mean_s=_mean(full),
+        full_compute_denoise_mean_s=full_mean,
         hit_denoise_mean_s=_mean([r.denoise_s for r in hits]),
         speedup_per_hit=_ratio(full_median, hit_median),
         stream_denoise_s=stream_denoise,
@@ -834,7 +836,8 @@ def _print_report(console: Console, summary: DemoSummary, sheet: Path | None, ou
         f"{t.full_compute_requests} full requests), [bold]with reuse[/] "
         f"{_fmt(t.hit_denoise_median_s, '.3f', ' s')} (median of {t.hits}): "
         f"speedup per hit [bold]{_fmt(t.speedup_per_hit, '.2f', '×')}[/]; stream "
-        f"{t.stream_denoise_s:.2f} s vs {_fmt(t.stream_full_compute_estimate_s, '.2f', ' s')} all-full estimate: "
+        f"{t.stream_denoise_s:.2f} s vs {_fmt(t.stream_full_compute_estimate_s, '.2f', ' s')} estimated all-full "
+        f"(mean {_fmt(t.full_compute_denoise_mean_s, '.3f', ' s')} × {t.done}): "
         f"[bold]{_fmt(t.stream_speedup, '.2f', '×')}[/]; token-step speedup {_fmt(t.token_step_speedup, '.2f', '×')}"
     )
     console.print(f"[dim]{escape(SPEEDUP_NOTE)}[/]")
