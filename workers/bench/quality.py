@@ -22,14 +22,15 @@ JSON report (stdout with ``--json``, and ``--out``)::
     rows              one object per measured row:
                         id ("<method>[/<class>]@<N>"), method (no-reuse | cachedit | chorus | chorus-alpha1 | probe |
                         chorus+cachedit), steps, pair_class (null, a class, or "all" for the pooled reuse-heavy set),
-                        description, n, accuracy {color, shape, direction, background, all}, all_correct_ci95,
+                        description, n, accuracy {color, shape, direction, background, all} ("all": every
+                        judged attribute right, see settings.judge — all four unless --judge), all_correct_ci95,
                         steps_computed_mean, tokens_computed_fraction_mean, block_compute_fraction_mean,
                         reused_fraction, fallbacks, seconds_mean; against the no-reuse clips of the same targets:
                         no_reuse_all, delta_all_vs_no_reuse, lost, gained; cache-dit rows: cachedit {cache_passes_mean,
                         cached_steps_mean, computed_steps_mean, uncached_subset_passes_mean, block_calls_total,
                         expected_block_calls_total, skips_verified} and cachedit_settings; chorus rows: plans
                         {label: count}; probe rows: plan
-    targets           no_reuse_all_correct_<N> {value, target, met}, chorus_within_1pt_<N> {value, no_reuse, delta,
+    targets           judged_on [attributes], no_reuse_all_correct_<N> {value, target, met}, chorus_within_1pt_<N> {value, no_reuse, delta,
                       reused_fraction, met}, tgaa_probe_all_correct_<N> {class: {alpha<α>: accuracy}}
     contact_sheets    [{steps, path, size}]
 """
@@ -168,6 +169,11 @@ def bench_quality(
     ),
     out_dir: Path = typer.Option(Path("out/bench-quality"), help="Where contact sheets are written."),
     sheet_prompts: int = typer.Option(4, min=0, help="Prompts on each contact sheet."),
+    judge: str = typer.Option(
+        "color,shape,direction,background",
+        help="Attributes that must all be right for a clip to count as correct ('all' in the report, the "
+        "calibration's acceptance). Narrow it only for a model that has not learned the others.",
+    ),
     threads: int = typer.Option(1, min=1, help="torch CPU threads."),
     quick: bool = typer.Option(False, "--quick", help="Tiny smoke setting (2 prompts, 2 steps) for tests."),
 ) -> None:
@@ -181,6 +187,7 @@ def bench_quality(
     from workers.bench.pairs import PAIR_CLASSES
     from workers.engine.registry import load_bundle
     from workers.toy.model import WEIGHTS_DIR, WEIGHTS_FILE, sha256_file
+    from workers.toy.world import ATTRIBUTE_NAMES
 
     if quick:
         prompts, seeds, steps = QUICK_PROMPTS, 1, QUICK_STEPS
@@ -190,6 +197,9 @@ def bench_quality(
     step_list = _ints(steps, "--steps")
     row_list = _names(rows, suite.ROW_KINDS, "--rows")
     class_list = _names(classes, PAIR_CLASSES, "--classes")
+    judged = _names(judge, ATTRIBUTE_NAMES, "--judge")
+    if not judged:
+        raise typer.BadParameter("--judge: name at least one attribute")
     alphas = _floats(ablation_alphas, "--ablation-alphas")
     if any(not 1.0 <= a <= 20.0 for a in alphas):
         raise typer.BadParameter("--ablation-alphas: each α must be within [1, 20]")
@@ -238,6 +248,7 @@ def bench_quality(
         "tolerance": tolerance,
         "quick": quick,
         "threads": threads,
+        "judge": list(judged),
         "eval_set": "workers.bench.pairs.eval_targets(prompts, seeds) (EVAL_TEMPLATES, seed base 2000000)",
     }
     if calibrate:
@@ -269,6 +280,7 @@ def bench_quality(
         command=_command(ctx),
         quick=quick,
         settings_report=settings,
+        judge=judged,
     )
     report = suite.run(config, suite.Progress(enabled=True))
     text = suite.dumps(report)

@@ -51,6 +51,7 @@ from workers.bench.pairs import (
 from workers.bench.runner import Outcome, Row, Runner, plan_dict, plan_label
 from workers.engine.bundle import ModelBundle
 from workers.engine.trajectory import Trajectory
+from workers.toy.world import ATTRIBUTE_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class BenchConfig:
     command: str = "chorus bench quality"
     quick: bool = False
     settings_report: dict[str, Any] = field(default_factory=dict)
+    judge: tuple[str, ...] = ATTRIBUTE_NAMES
 
 
 class Progress:
@@ -191,7 +193,7 @@ class Suite:
     def __init__(self, config: BenchConfig, progress: Progress) -> None:
         self.cfg = config
         self.progress = progress
-        self.runner = Runner(config.load_bundle(), config.guidance)
+        self.runner = Runner(config.load_bundle(), config.guidance, config.judge)
         self._cached: dict[tuple[int, int], CacheDiTEngine] = {}
 
     def close(self) -> None:
@@ -340,8 +342,8 @@ class Suite:
             report["regimes"].append(regime_report)
         note = (
             "Measured by `chorus bench quality --calibrate` on the toy model "
-            f"(weights {self.cfg.weights.get('weights_id', '?')[:12]}, guidance {cfg.guidance:g}): per regime, each "
-            "row is the most reuse whose all-attribute accuracy on the calibration pairs the row admits stays within "
+            f"(weights {self.cfg.weights.get('weights_id', '?')[:12]}, guidance {cfg.guidance:g}, judged on "
+            f"{'+'.join(cfg.judge)}): per regime, each row is the most reuse whose all-attribute accuracy on the calibration pairs the row admits stays within "
             f"{cfg.tolerance * 100:g} point(s) of no reuse on the same targets and seeds (k1 = k2 = 0: nothing "
             f"passed). Rows are drawn from the measured pair classes; '{cal.BLOCKER}' never reuses (changes below the "
             "measured similarities, or 3 content words, were not measured). See workers/bench/calibrate.py."
@@ -600,11 +602,11 @@ class Suite:
 
 
 def evaluate_targets(
-    rows: Sequence[dict[str, Any]], steps: Sequence[int], tolerance: float
+    rows: Sequence[dict[str, Any]], steps: Sequence[int], tolerance: float, judge: Sequence[str]
 ) -> dict[str, Any]:
-    """The issue's targets, judged on the measured rows."""
+    """The issue's targets, judged on the measured rows ("all" = the judged attributes, see ``judged_on``)."""
     by_id = {r["id"]: r for r in rows}
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"judged_on": list(judge)}
     for n in steps:
         base = by_id.get(f"no-reuse@{n}")
         if base is not None and n in TARGET_ALL_CORRECT:
@@ -671,7 +673,7 @@ def run(config: BenchConfig, progress: Progress) -> dict[str, Any]:
         }
         if config.rows:
             report.update(suite.bench(Planner(table), ignorable))
-            report["targets"] = evaluate_targets(report["rows"], config.steps, config.tolerance)
+            report["targets"] = evaluate_targets(report["rows"], config.steps, config.tolerance, config.judge)
     finally:
         suite.close()
     report["wall_s"] = round(time.perf_counter() - t0, 1)
