@@ -218,14 +218,25 @@ def chorus_command() -> list[str]:
     return [sys.executable, "-c", "from producer.cli import main; main()"]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask the kernel to SIGTERM this process when the process that started it dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+# Runs first in a service's process, then execs the service (keeping the pid): asks the kernel to SIGTERM it when
+# the process that started it dies (Linux PR_SET_PDEATHSIG, which survives exec), and gives up if that already
+# happened. A program of its own rather than a ``preexec_fn``, which is unsafe in a process with threads.
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(143)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
-        pr_set_pdeathsig = 1
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+def _dying_with_parent(argv: list[str]) -> list[str]:
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 class EmbeddedStack:
@@ -547,14 +558,13 @@ class EmbeddedStack:
             out.flush()
             offset = out.tell()
             process = subprocess.Popen(
-                argv,
+                _dying_with_parent(argv),
                 env={**self.env, "CHORUS_METRICS_PORT": str(port), **env},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=self.state_dir,
                 start_new_session=True,  # Ctrl-C reaches the stack, which stops services in order
-                preexec_fn=_die_with_parent,
             )
         proc = ServiceProcess(name, role, argv, log_path, port, process, _read_offset=offset)
         self.processes.append(proc)

@@ -4,14 +4,21 @@
 - Started again over the same state directory, it still has the first run's objects (S3 snapshot) and its donor
   index: the same prompt reuses the first run's request.
 - A worker that cannot load its model fails ``start`` with the reason, and nothing is left running.
+- If the process that started the stack is killed outright, the services and stand-ins go too (and the object
+  store still writes its snapshot).
 - A snapshot interrupted between its two renames is still found.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,6 +136,48 @@ def test_a_worker_that_cannot_load_its_model_fails_start_and_leaves_nothing_runn
     assert not stack.running and stack.kafka is None and stack.s3 is None
     assert all(p.process.returncode is not None for p in stack.processes)
     assert _alive_in_groups({p.pid for p in stack.processes}) == []
+
+
+OWNER = """
+import json, sys, time
+from pathlib import Path
+from producer.stack import EmbeddedStack, StackOptions
+
+stack = EmbeddedStack(StackOptions(state_dir=Path(sys.argv[1]), models=["tiny-random-wan"], embedder="hashing"))
+stack.start()
+pids = [p.pid for p in stack.processes] + [s.process.pid for s in (stack.kafka, stack.s3) if s is not None]
+print(json.dumps(pids), flush=True)
+time.sleep(600)
+"""
+
+
+def test_services_do_not_outlive_a_killed_owner(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(state)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert owner.stdout is not None
+        pids = json.loads(owner.stdout.readline() or "[]")
+        assert len(pids) == 4, "the stack did not start"
+        owner.send_signal(signal.SIGKILL)  # no cleanup code of the owner runs
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + WAIT_S
+        while _alive_in_groups(set(pids[:2])) or any(_alive(pid) for pid in pids[2:]):
+            assert time.monotonic() < deadline, "processes outlived their owner"
+            time.sleep(0.5)
+        assert read_snapshot(state / "s3") is not None
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"
 
 
 def test_a_snapshot_interrupted_between_its_renames_is_still_found(tmp_path: Path) -> None:
