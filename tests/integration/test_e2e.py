@@ -1,0 +1,547 @@
+"""The serving path end to end on the embedded stack: real ``chorus scheduler`` and ``chorus worker`` processes,
+librdkafka's Kafka-protocol mock broker, moto's S3 server, Qdrant local mode, model ``tiny-random-wan``.
+
+One stack serves this module (one scheduler, one worker with two pool processes). Each test keeps to its own tenant,
+so donors of one test are never candidates in another (the scheduler searches within a tenant), and makes the donors
+it needs itself:
+
+- a batch of families of similar prompts through ``chorus produce --file … --wait --json``: every result arrives,
+  each family has one leader and every later member reuses a family donor; videos and trajectories are in S3 and
+  the donor index holds an entry per request, with the hits the results imply;
+- a request published by ``kcat`` completes; ``kcat`` reads its result, and boto3 downloads and decodes the video;
+- the same request id published three times yields one dispatch, one run and one result;
+- malformed messages land on the dead-letter topic with their reason, and later requests still complete;
+- a donor deleted from S3 after the scheduler planned with it: the request completes in full, ``fallback`` says why;
+- a follower whose leader never runs completes in full once its wait runs out.
+
+The last two must act between two steps of the pipeline. They pause the worker's whole process group (SIGSTOP) so
+that an order the scheduler has dispatched cannot be fetched yet, and wait until the scheduler logged the dispatch:
+the interleaving is forced, not raced. The orphaned leader's order is taken off the broker queue by the test (as if
+the worker that took it had hung), so its follower can only find nothing.
+
+Eviction is in ``test_e2e_eviction.py`` (it needs a tiny cache budget), two schedulers and three workers in
+``test_e2e_scale.py``. Nothing here asserts how long anything took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import boto3
+import imageio_ffmpeg
+import pytest
+from kafka import KafkaConsumer
+from kafka.structs import TopicPartition
+from kombu import Queue
+
+from chorus_sched.index import DonorEntry, DonorIndex
+from chorus_sched.planner import parse_calibration
+from chorus_sched.settings import SchedulerSettings
+from producer import bus
+from producer.contract import DeadLetter, GenerationRequest, GenerationResult, ResultStatus, build_request
+from producer.sdk import ChorusClient, ResultWatcher
+from producer.stack import EmbeddedStack, ServiceProcess, StackOptions
+from workers.app import EXCHANGE, app_for_broker
+from workers.donors import header_key, step_key
+from workers.orders import Role, WorkOrder, queue_for, trajectory_prefix, video_key
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MODEL = "tiny-random-wan"
+STEPS = 4  # the model's default; the test calibration reuses 1 step (Stage 1) + 1 step (Stage 2) of 4
+WAIT_S = 300.0
+FOLLOWER_WAIT_S = 15  # how long a follower waits for a step its leader has not uploaded
+CHORUS = str(Path(sys.executable).with_name("chorus"))
+KCAT = shutil.which("kcat")
+
+T = TypeVar("T")
+
+# The calibration the stacks of these tests plan with. The shipped table is data that the quality benchmark
+# rewrites (and made for MiniLM); the serving path is what is under test, so the tests bring a table of their own
+# on the hashing embedder's scale: prompts with the same content words (function words may differ) reuse 1 step of
+# 4 outright and recompute only divergent tokens for 1 more; any differing content word means a full run.
+IGNORABLE = ["a", "an", "the", "on", "in", "over", "across", "with", "and", "of", "to", "at"]
+SAME_WORDS = {
+    "name": "same-content-words",
+    "min_similarity": 0.6,
+    "max_content_changes": 0,
+    "k1": 0.25,
+    "k2": 0.25,
+    "alpha": 2.0,
+}
+CALIBRATION = {
+    "format": "chorus-calibration/1",
+    "provisional": True,
+    "note": "tests/integration/test_e2e.py: reuse between prompts with the same content words",
+    "source": "hand-written for the end-to-end tests",
+    "embedder": "hashing-384",
+    "ignorable_words": IGNORABLE,
+    "regimes": [
+        {"name": "few-step", "max_steps": 8, "rows": [SAME_WORDS]},
+        {"name": "many-step", "max_steps": 1000, "rows": [SAME_WORDS]},
+    ],
+}
+
+
+# --- helpers shared by the end-to-end modules ------------------------------------------------------------------
+
+
+def write_calibration(folder: Path) -> Path:
+    path = folder / "calibration.json"
+    path.write_text(json.dumps(CALIBRATION, indent=2))
+    parse_calibration(path.read_text(), source=str(path))  # a table the scheduler accepts
+    return path
+
+
+def stack_options(state_dir: Path, **fields: Any) -> StackOptions:
+    """Options of an end-to-end stack: the tiny model, the hashing embedder, the test calibration."""
+    extra_env = {
+        "CHORUS_CALIBRATION_PATH": str(write_calibration(state_dir.parent)),
+        "CHORUS_FOLLOWER_WAIT_S": str(FOLLOWER_WAIT_S),
+        "CHORUS_POLL_TIMEOUT_MS": "100",
+        **fields.pop("extra_env", {}),
+    }
+    fields.setdefault("ready_timeout_s", WAIT_S)
+    return StackOptions(
+        state_dir=state_dir,
+        models=[MODEL],
+        embedder="hashing",
+        persist_s3=False,
+        extra_env=extra_env,
+        **fields,
+    )
+
+
+def request(rid: str, prompt: str, tenant: str, seed: int = 0, **fields: Any) -> GenerationRequest:
+    return build_request(request_id=rid, prompt=prompt, tenant=tenant, model=MODEL, seed=seed, **fields)
+
+
+def wait_for(stack: EmbeddedStack, what: str, check: Callable[[], T | None], timeout_s: float = WAIT_S) -> T:
+    """Poll ``check`` until it returns a truthy value; fails if a process of the stack exits meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stack.check()
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.2)
+
+
+def events(processes: Sequence[ServiceProcess], name: str, **fields: Any) -> list[dict[str, Any]]:
+    """Log events called ``name`` whose fields equal ``fields``, from all ``processes``."""
+    return [
+        e
+        for p in processes
+        for e in list(p.read_events())
+        if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())
+    ]
+
+
+def submit_and_wait(stack: EmbeddedStack, *requests: GenerationRequest) -> dict[str, GenerationResult]:
+    with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
+        for r in requests:
+            client.submit(r)
+        return wait_results(watcher, [r.request_id for r in requests])
+
+
+def wait_results(watcher: ResultWatcher, ids: Sequence[str]) -> dict[str, GenerationResult]:
+    got = {r.request_id: r for r in watcher.wait(ids, timeout_s=WAIT_S)}
+    assert sorted(got) == sorted(ids), f"no result for {sorted(set(ids) - set(got))}"
+    return got
+
+
+def read_topic(stack: EmbeddedStack, topic: str) -> list[tuple[str | None, bytes]]:
+    """(key, value) of every message on ``topic``, from the beginning (outside any consumer group)."""
+    consumer = KafkaConsumer(
+        **bus.client_config(stack.producer_settings), group_id=None, enable_auto_commit=False
+    )
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out: list[tuple[str | None, bytes]] = []
+        deadline = time.monotonic() + 60
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"could not read {topic} to its end"
+            for records in consumer.poll(timeout_ms=500).values():
+                out.extend((r.key.decode() if r.key is not None else None, r.value) for r in records)
+        return out
+    finally:
+        consumer.close(autocommit=False)
+
+
+def results_on_topic(stack: EmbeddedStack) -> list[GenerationResult]:
+    topic = stack.producer_settings.kafka_results_topic
+    return [GenerationResult.model_validate_json(value) for _, value in read_topic(stack, topic)]
+
+
+@contextmanager
+def donor_index(stack: EmbeddedStack) -> Iterator[DonorIndex]:
+    """The scheduler's donor index (Qdrant local mode, shared with the running scheduler under its file lock)."""
+    settings: SchedulerSettings = stack.scheduler_settings
+    index = DonorIndex.connect(
+        path=settings.resolved_qdrant_path, collection=settings.qdrant_collection, dim=384
+    )
+    try:
+        yield index
+    finally:
+        index.close()
+
+
+def _group_states(pgid: int) -> list[str]:
+    states = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                states.append(fields[0])
+    return states
+
+
+@contextmanager
+def paused(process: ServiceProcess) -> Iterator[None]:
+    """Stop a service and its pool processes (SIGSTOP to its process group) for the block, then continue them."""
+    os.killpg(process.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while not all(s == "T" for s in _group_states(process.pid)):
+            assert time.monotonic() < deadline, f"{process.name} did not stop"
+            time.sleep(0.05)
+        yield
+    finally:
+        os.killpg(process.pid, signal.SIGCONT)
+
+
+def check_stored(stack: EmbeddedStack, result: GenerationResult) -> None:
+    """The result's video and its whole trajectory (header + one object per step) are in S3."""
+    store = stack.object_store()
+    rid = result.request_id
+    assert result.video_uri == store.uri(video_key(rid, "mp4"))
+    assert store.exists(video_key(rid, "mp4"))
+    prefix = trajectory_prefix(rid)
+    assert result.trajectory_uri == store.uri(prefix)
+    sizes = {o.key: o.size for o in store.list(prefix)}
+    assert set(sizes) == {header_key(prefix)} | {step_key(prefix, i) for i in range(result.steps_requested)}
+    assert result.trajectory_bytes == sum(sizes.values())
+
+
+def check_ran_once(stack: EmbeddedStack, ids: Sequence[str]) -> None:
+    """Each id was dispatched once by the schedulers, started once by the workers and has one result."""
+    dispatched = Counter(e["request_id"] for e in events(stack.schedulers, "request dispatched"))
+    started = Counter(e["request_id"] for e in events(stack.workers, "order started"))
+    published = Counter(r.request_id for r in results_on_topic(stack))
+    for rid in ids:
+        assert (dispatched[rid], started[rid], published[rid]) == (1, 1, 1), rid
+
+
+# --- the module's stack ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
+    root = tmp_path_factory.mktemp("e2e")
+    with EmbeddedStack(stack_options(root / "state", worker_concurrency=2)) as running:
+        yield running
+
+
+# --- tests ---------------------------------------------------------------------------------------------------------
+
+FAMILIES = {
+    "red": "a red circle moving left on a white background",
+    "green": "a green square moving up on a black background",
+    "yellow": "a yellow triangle moving right on a gray background",
+}
+
+
+def test_a_batch_of_families_through_chorus_produce(stack: EmbeddedStack, tmp_path: Path) -> None:
+    tenant = "batch"
+    lines: list[dict[str, Any]] = []
+    for family, prompt in FAMILIES.items():
+        prompts = [prompt, prompt, prompt.replace(" on ", " across ")]  # again, another seed, a paraphrase
+        lines += [
+            {"request_id": f"batch-{family}-{i}", "prompt": p, "seed": i, "tenant": tenant}
+            for i, p in enumerate(prompts)
+        ]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = subprocess.run(
+        [
+            CHORUS,
+            "produce",
+            "--file",
+            str(batch),
+            "--model",
+            MODEL,
+            "--wait",
+            "--json",
+            "--timeout",
+            str(WAIT_S),
+        ],
+        env=stack.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S + 60,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    ids = [line["request_id"] for line in lines]
+    assert (doc["sent"], doc["missing"], doc["invalid"]) == (ids, [], [])
+    results = {r["request_id"]: GenerationResult.model_validate(r) for r in doc["results"]}
+    assert sorted(results) == sorted(ids)
+
+    used: Counter[str] = Counter()  # donor id → results that reused it
+    for family in FAMILIES:
+        members = [results[rid] for rid in ids if rid.startswith(f"batch-{family}-")]
+        assert all(r.status is ResultStatus.DONE for r in members), [r.error for r in members]
+        # One member ran in full as the group leader; every other one reused a donor of its own family.
+        leaders = [r for r in members if r.donor is None]
+        assert len(leaders) == 1, [(r.request_id, r.donor) for r in members]
+        assert leaders[0].steps_computed == leaders[0].steps_requested == STEPS
+        for r in members:
+            if r is leaders[0]:
+                continue
+            assert r.donor is not None and r.donor.request_id.startswith(f"batch-{family}-"), r.donor
+            assert r.fallback is None, r.fallback
+            assert r.steps_computed < r.steps_requested and r.tokens_computed_fraction < 1.0
+            used[r.donor.request_id] += 1
+        roles = Counter(
+            e["role"]
+            for e in events(stack.schedulers, "request dispatched")
+            if e["request_id"].startswith(f"batch-{family}-")
+        )
+        assert roles[str(Role.LEADER)] == 1, roles
+
+    for r in results.values():
+        check_stored(stack, r)
+
+    # Once the scheduler has read every result, the index holds every request as a ready donor, with its hits.
+    stack.wait_idle(timeout_s=WAIT_S)
+    with donor_index(stack) as index:
+        for rid, r in results.items():
+            entry = index.get(rid)
+            assert isinstance(entry, DonorEntry), rid
+            assert (entry.status, entry.tenant, entry.trajectory_uri, entry.video_uri, entry.bytes) == (
+                "ready",
+                tenant,
+                r.trajectory_uri,
+                r.video_uri,
+                r.trajectory_bytes,
+            )
+            assert entry.hits == used[rid], rid
+    check_ran_once(stack, ids)
+
+
+@pytest.mark.skipif(KCAT is None, reason="kcat is not installed (Debian: kcat; scripts/test.sh installs it)")
+def test_a_request_published_by_kcat_completes_and_boto3_downloads_its_video(
+    stack: EmbeddedStack, tmp_path: Path
+) -> None:
+    assert KCAT is not None
+    settings = stack.producer_settings
+    rid = "kcat-1"
+    message = {
+        "request_id": rid,
+        "tenant": "kcat",
+        "prompt": "a blue star spinning",
+        "model": MODEL,
+        "seed": 5,
+    }
+    with ResultWatcher(settings) as watcher:
+        subprocess.run(
+            [KCAT, "-b", stack.kafka_address, "-P", "-t", settings.kafka_requests_topic, "-K", "|"],
+            input=f"{rid}|{json.dumps(message)}\n",
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        result = wait_results(watcher, [rid])[rid]
+    assert result.status is ResultStatus.DONE, result.error
+    check_stored(stack, result)
+
+    # kcat reads the same result from the results topic, keyed by the request id.
+    consume = ["-C", "-t", settings.kafka_results_topic, "-o", "beginning", "-e", "-q", "-f", "%k\t%s\n"]
+    out = subprocess.run(
+        [KCAT, "-b", stack.kafka_address, *consume],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    mine = [line.split("\t", 1)[1] for line in out.splitlines() if line.startswith(f"{rid}\t")]
+    assert [GenerationResult.model_validate_json(v) for v in mine] == [result]
+
+    # boto3, another S3 client, downloads the video by its URI; it decodes to the request's frames.
+    assert result.video_uri is not None
+    bucket, key = result.video_uri.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=f"http://{stack.s3_endpoint}",
+        aws_access_key_id=stack.env["CHORUS_S3_ACCESS_KEY"],
+        aws_secret_access_key=stack.env["CHORUS_S3_SECRET_KEY"],
+        region_name="us-east-1",
+    )
+    obj = s3.get_object(Bucket=bucket, Key=key)
+    assert obj["ContentType"] == "video/mp4"
+    path = tmp_path / "kcat-1.mp4"
+    path.write_bytes(obj["Body"].read())
+    frames = imageio_ffmpeg.read_frames(str(path))
+    meta = next(frames)
+    spec = build_request(**{k: v for k, v in message.items() if k != "request_id"})
+    assert tuple(meta["size"]) == (spec.width, spec.height)
+    assert sum(1 for _ in frames) == spec.num_frames
+
+
+def test_the_same_request_id_published_three_times_runs_once_with_one_result(stack: EmbeddedStack) -> None:
+    copy = request("again-1", "a white moon rising over dark hills", "redelivery", seed=1)
+    with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
+        client.submit(copy)
+        client.submit(copy)  # redelivered at once: same partition, same or next poll
+        result = wait_results(watcher, [copy.request_id])[copy.request_id]
+        client.submit(copy)  # and again after it finished
+    assert result.status is ResultStatus.DONE, result.error
+    stack.wait_idle(timeout_s=WAIT_S)  # the scheduler has read all three copies
+    skipped = events(stack.schedulers, "duplicate request skipped", request_id=copy.request_id)
+    assert len(skipped) == 2
+    check_ran_once(stack, [copy.request_id])
+
+
+def test_malformed_messages_are_dead_lettered_with_their_reason_and_later_requests_complete(
+    stack: EmbeddedStack,
+) -> None:
+    settings = stack.producer_settings
+    not_json = b"{not json"
+    bad_shape = json.dumps(
+        {"request_id": "dlq-bad", "tenant": "dlq", "prompt": "a grey cube", "model": MODEL, "num_frames": 99}
+    ).encode()
+    later = request("dlq-after", "a grey cube falling", "dlq", seed=1)
+    with ChorusClient(settings) as client, client.watch_results() as watcher:
+        bus.publish(client.producer, settings.kafka_requests_topic, "junk", not_json)
+        bus.publish(client.producer, settings.kafka_requests_topic, "dlq-bad", bad_shape)
+        client.submit(later)
+        got = wait_results(watcher, ["dlq-bad", later.request_id])
+
+    # The one that names its id is answered `rejected` with the field and the rule; the next request completes.
+    rejected = got["dlq-bad"]
+    assert rejected.status is ResultStatus.REJECTED and rejected.error is not None
+    assert rejected.error.code == "invalid_request" and "num_frames" in rejected.error.message
+    assert got[later.request_id].status is ResultStatus.DONE, got[later.request_id].error
+
+    stack.wait_idle(timeout_s=WAIT_S)
+    letters = [
+        (key, DeadLetter.model_validate_json(value))
+        for key, value in read_topic(stack, settings.kafka_dead_letter_topic)
+    ]
+    by_raw = {letter.raw(): (key, letter) for key, letter in letters}
+    assert len(letters) == len(by_raw) == 2  # each once
+    key, letter = by_raw[not_json]
+    assert letter.error.code == "invalid_request" and "not JSON" in letter.error.message
+    assert [(i.field, i.rule) for i in letter.issues] == [("<message>", "json")]
+    assert letter.topic == settings.kafka_requests_topic
+    key, letter = by_raw[bad_shape]
+    assert key == "dlq-bad"
+    assert [(i.field, i.rule) for i in letter.issues] == [("num_frames", "model_shape")]
+    assert "must be between 1 and 33" in letter.error.message
+
+
+def test_a_donor_deleted_between_planning_and_fetch_runs_in_full_and_says_why(stack: EmbeddedStack) -> None:
+    tenant, prompt = "vanish", "a purple kite drifting over a green field"
+    donor = request("vanish-donor", prompt, tenant, seed=1)
+    first = submit_and_wait(stack, donor)[donor.request_id]
+    assert first.status is ResultStatus.DONE and first.donor is None, first.error
+    stack.wait_idle(timeout_s=WAIT_S)  # indexed as a ready donor
+    with donor_index(stack) as index:
+        entry = index.get(donor.request_id)
+        assert entry is not None and entry.ready
+
+    target = request("vanish-target", prompt, tenant, seed=2)
+    store = stack.object_store()
+    (worker,) = stack.workers
+    with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
+        with paused(worker):
+            client.submit(target)
+            planned = wait_for(
+                stack,
+                "the scheduler dispatched the request with the donor",
+                lambda: events(stack.schedulers, "request dispatched", request_id=target.request_id),
+            )
+            assert planned[0]["donor"] == donor.request_id and planned[0]["role"] == str(Role.SOLO)
+            # The order is on the broker; before any worker can fetch the donor, its trajectory goes.
+            assert store.delete_prefix(trajectory_prefix(donor.request_id)) == STEPS + 1
+        result = wait_results(watcher, [target.request_id])[target.request_id]
+
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.donor is not None and result.donor.request_id == donor.request_id
+    assert (result.steps_computed, result.steps_requested, result.tokens_computed_fraction) == (
+        STEPS,
+        STEPS,
+        1.0,
+    )
+    assert result.fallback is not None
+    assert f"donor {donor.request_id} unusable" in result.fallback and "not in the store" in result.fallback
+    check_stored(stack, result)
+
+
+def test_a_follower_whose_leader_never_runs_completes_in_full_after_its_deadline(
+    stack: EmbeddedStack,
+) -> None:
+    tenant, prompt = "orphan", "a silver train crossing a long bridge"
+    leader = request("orphan-leader", prompt, tenant, seed=1)
+    follower = request("orphan-follower", prompt, tenant, seed=2)
+    (worker,) = stack.workers
+    queue_name = queue_for(MODEL)
+    with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
+        with paused(worker):
+            client.submit(leader)
+            dispatched = wait_for(
+                stack,
+                "the leader was dispatched",
+                lambda: events(stack.schedulers, "request dispatched", request_id=leader.request_id),
+            )
+            assert dispatched[0]["role"] == str(Role.LEADER)
+            # The leader's order never reaches a worker: the test takes it off the queue (its worker hung).
+            app = app_for_broker("", state_dir=stack.state_dir)
+            with app.connection_for_read() as conn:
+                simple = conn.SimpleQueue(Queue(queue_name, EXCHANGE, routing_key=queue_name, durable=True))
+                message = simple.get_nowait()
+                order = WorkOrder.model_validate_json(message.payload[0][0])
+                message.ack()
+                simple.close()
+            app.close()
+            assert order.request.request_id == leader.request_id and order.role is Role.LEADER
+
+            client.submit(follower)
+            planned = wait_for(
+                stack,
+                "the follower was dispatched",
+                lambda: events(stack.schedulers, "request dispatched", request_id=follower.request_id),
+            )
+            assert planned[0]["role"] == str(Role.FOLLOWER) and planned[0]["donor"] == leader.request_id
+        result = wait_results(watcher, [follower.request_id])[follower.request_id]
+
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.donor is not None and result.donor.request_id == leader.request_id
+    assert (result.steps_computed, result.tokens_computed_fraction) == (STEPS, 1.0)
+    assert result.fallback is not None and f"not uploaded within {FOLLOWER_WAIT_S} s" in result.fallback
+    check_stored(stack, result)
+    # The leader produced nothing: no object under its prefix, no result, and its index entry never became ready.
+    assert list(stack.object_store().list(trajectory_prefix(leader.request_id))) == []
+    assert all(r.request_id != leader.request_id for r in results_on_topic(stack))
+    with donor_index(stack) as index:
+        entry = index.get(leader.request_id)
+        assert entry is not None and not entry.ready
