@@ -1,0 +1,80 @@
+"""An evicted donor, end to end: a stack whose donor cache has a budget of one byte evicts every finished donor at
+its next maintenance (every second here). The test waits until the eviction has happened — the scheduler logged it,
+the index entry is gone, the worker deleted the trajectory objects — and only then publishes a request with the same
+prompt, which must run in full without a donor. The evicted request's video stays (it is the user's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from producer.contract import ResultStatus
+from producer.stack import EmbeddedStack
+from tests.integration.test_e2e import (
+    STEPS,
+    check_stored,
+    donor_index,
+    events,
+    request,
+    stack_options,
+    submit_and_wait,
+    wait_for,
+)
+from workers.orders import Role, trajectory_prefix, video_key
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
+    root: Path = tmp_path_factory.mktemp("e2e-evict")
+    options = stack_options(
+        root / "state", extra_env={"CHORUS_CACHE_BUDGET_BYTES": "1", "CHORUS_EVICT_INTERVAL_S": "1"}
+    )
+    with EmbeddedStack(options) as running:
+        yield running
+
+
+def test_an_evicted_donor_is_gone_from_index_and_store_and_later_similar_requests_run_without_it(
+    stack: EmbeddedStack,
+) -> None:
+    tenant, prompt = "evict", "an orange balloon floating over a quiet lake"
+    first = request("evict-first", prompt, tenant, seed=1)
+    done = submit_and_wait(stack, first)[first.request_id]
+    assert done.status is ResultStatus.DONE and done.donor is None, done.error
+    check_stored(stack, done)  # it was stored in full, so it could serve as a donor
+
+    store = stack.object_store()
+    prefix = trajectory_prefix(first.request_id)
+
+    def evicted_by_budget() -> bool:
+        return any(
+            {"request_id": first.request_id, "reason": "budget"}.items() <= e.items()
+            for event in events(stack.schedulers, "cache policy evicts donors")
+            for e in event["evictions"]
+        )
+
+    wait_for(stack, "the scheduler evicts the donor", evicted_by_budget)
+    wait_for(
+        stack,
+        "the worker deletes the donor's objects",
+        lambda: any(
+            first.request_id in e["request_ids"] for e in events(stack.workers, "evicted donor objects")
+        ),
+    )
+    assert list(store.list(prefix)) == []
+    assert store.exists(video_key(first.request_id, "mp4"))
+    with donor_index(stack) as index:
+        assert index.get(first.request_id) is None
+
+    again = request("evict-again", prompt, tenant, seed=2)
+    result = submit_and_wait(stack, again)[again.request_id]
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.donor is None and result.fallback is None
+    assert (result.steps_computed, result.tokens_computed_fraction) == (STEPS, 1.0)
+    (dispatched,) = events(stack.schedulers, "request dispatched", request_id=again.request_id)
+    assert dispatched["donor"] is None and dispatched["role"] == str(Role.LEADER)
+    assert dispatched["considered"] == []  # the index had nothing left to consider
