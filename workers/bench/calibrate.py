@@ -9,15 +9,18 @@
    ``paraphrase``. The planner takes the first row that admits a pair, so each pair is *routed* to one row by the
    very rule the planner applies, and every row is calibrated on all the pairs it admits — e.g. the paraphrase
    row also sees the ``reworded-one-attribute`` pairs it cannot tell from paraphrases.
-2. **Candidates, most reuse first.** Per regime (a calibrated step count N), candidate plans (k1, k2 in steps; α and
-   mask threshold when k2 > 0) are ordered by estimated reuse ``k1 + k2/2`` (ties: larger k1, higher threshold,
-   smaller α).
+2. **Candidates.** Per regime (a calibrated step count N), candidate plans: k1, k2 in steps; α and mask
+   threshold when k2 > 0 (``default_grid``).
 3. **Paired acceptance.** A candidate passes a row when its all-attribute accuracy on the row's pairs is at least
    the no-reuse accuracy of the same targets (same seeds) minus ``tolerance`` (1 point): it may get at most
    ``floor(tolerance · n)`` more clips wrong. Evaluation stops as soon as the candidate has more wrong clips than
-   that allows (an exact early rejection, not an estimate). The first candidate that passes is the row's plan; if
-   none does, the row keeps no reuse (k1 = k2 = 0).
-4. ``write_calibration`` writes the table (``provisional: false``, ``source`` = the command, ``measured`` per row).
+   that allows (an exact early rejection, not an estimate).
+4. **Most reuse = most measured saving.** Of the passing candidates, the row takes the one whose measured
+   computed-token fraction is lowest (Stage 2 saves only what its masks leave out, which is measured, not
+   assumed). Candidates are tried by decreasing upper bound of their saving (``saving_bound``) and the search
+   stops when no untried candidate could beat the best passing one. If none passes, the row keeps no reuse
+   (k1 = k2 = 0).
+5. ``write_calibration`` writes the table (``provisional: false``, ``source`` = the command, ``measured`` per row).
 """
 
 from __future__ import annotations
@@ -117,9 +120,6 @@ class Candidate:
             mask_threshold=self.threshold,
         )
 
-    def estimated_reuse(self) -> float:
-        return self.k1 + 0.5 * self.k2
-
 
 def default_grid(num_steps: int) -> tuple[list[float], list[float], list[float], list[float]]:
     """(k1 fractions, k2 fractions, α values, mask thresholds) swept by default for ``num_steps``."""
@@ -135,7 +135,8 @@ def candidates(
     alphas: Sequence[float],
     thresholds: Sequence[float],
 ) -> list[Candidate]:
-    """Every distinct plan of the grid that reuses and leaves Stage 3 at least one step, most reuse first."""
+    """Every distinct plan of the grid that reuses and leaves Stage 3 at least one step, largest possible saving
+    first."""
     k1s = sorted({math.floor(f * num_steps + 1e-9) for f in k1_fractions})
     k2s = sorted({math.floor(f * num_steps + 1e-9) for f in k2_fractions})
     out: set[Candidate] = set()
@@ -147,7 +148,7 @@ def candidates(
                 out.add(Candidate(k1, 0))
             else:
                 out.update(Candidate(k1, k2, a, t) for a in alphas for t in thresholds)
-    return sorted(out, key=lambda c: (-c.estimated_reuse(), -c.k1, -c.threshold, c.alpha))
+    return sorted(out, key=lambda c: (-saving_bound(c, num_steps), -c.k1, -c.threshold, c.alpha))
 
 
 def fraction(k: int, num_steps: int) -> float:
@@ -197,6 +198,11 @@ def allowed_wrong(baseline: Sequence[bool], tolerance: float) -> int:
     return sum(1 for b in baseline if not b) + math.floor(tolerance * len(baseline) + 1e-9)
 
 
+def saving_bound(candidate: Candidate, num_steps: int, min_active_fraction: float = 0.05) -> float:
+    """The most compute a candidate can save: all of Stage 1, and Stage 2 down to its minimum active fraction."""
+    return (candidate.k1 + candidate.k2 * (1.0 - min_active_fraction)) / num_steps
+
+
 def sweep(
     num_steps: int,
     grid: Sequence[Candidate],
@@ -205,11 +211,19 @@ def sweep(
     tolerance: float = 0.01,
     on_trial: Callable[[Trial], None] | None = None,
 ) -> tuple[Candidate | None, list[Trial]]:
-    """Try ``grid`` in order on the items (``baseline[i]``: item i correct without reuse); the first candidate
-    within ``tolerance`` of no reuse wins."""
+    """The candidate that saves the most measured compute (1 − computed-token fraction) among those within
+    ``tolerance`` of no reuse (``baseline[i]``: item i correct without reuse), or None.
+
+    Candidates are tried by decreasing ``saving_bound``; the search stops once no remaining candidate could beat
+    the best measured saving, and a candidate is rejected as soon as it has more wrong clips than allowed."""
     limit = allowed_wrong(baseline, tolerance)
+    order = sorted(grid, key=lambda c: (-saving_bound(c, num_steps), -c.k1, -c.threshold, c.alpha))
     trials: list[Trial] = []
-    for cand in grid:
+    best: Candidate | None = None
+    best_saving = -1.0
+    for cand in order:
+        if saving_bound(cand, num_steps) <= best_saving + 1e-12:
+            break
         plan = cand.plan(num_steps)
         wrong = 0
         steps: list[int] = []
@@ -240,9 +254,9 @@ def sweep(
         trials.append(trial)
         if on_trial is not None:
             on_trial(trial)
-        if trial.passed:
-            return cand, trials
-    return None, trials
+        if trial.passed and 1.0 - trial.tokens_fraction_mean > best_saving + 1e-12:
+            best, best_saving = cand, 1.0 - trial.tokens_fraction_mean
+    return best, trials
 
 
 @dataclass

@@ -316,8 +316,8 @@ class Suite:
                 }
                 for cls, count in Counter(i.pair.pair_class for i in items).items():
                     measured[f"pairs_{cls}"] = float(count)
-                if chosen is not None:
-                    win = trials[-1]
+                win = next((tr for tr in trials if tr.passed and tr.candidate == chosen), None)
+                if win is not None:
                     measured.update(
                         {
                             "reuse_all_correct": round((win.evaluated - win.wrong) / win.evaluated, 4),
@@ -334,7 +334,7 @@ class Suite:
                         "name": spec.name,
                         "pairs": len(items),
                         "no_reuse_all_correct": round(base_acc, 4),
-                        "chosen": trials[-1].as_dict(n) if chosen is not None else None,
+                        "chosen": win.as_dict(n) if win is not None else None,
                         "trials": [tr.as_dict(n) for tr in trials],
                     }
                 )

@@ -64,41 +64,64 @@ def test_fractions_round_trip_through_the_planner_floor() -> None:
             assert math.floor(cal.fraction(k, n) * n) == k
 
 
-def test_candidates_most_reuse_first() -> None:
+def test_candidates_largest_possible_saving_first() -> None:
     grid = cal.candidates(4, *cal.default_grid(4))
     assert grid[0] == cal.Candidate(3, 0)
     assert all(c.k1 + c.k2 < 4 and c.k1 + c.k2 > 0 for c in grid)
-    reuse = [c.estimated_reuse() for c in grid]
-    assert reuse == sorted(reuse, reverse=True)
+    bounds = [cal.saving_bound(c, 4) for c in grid]
+    assert bounds == sorted(bounds, reverse=True)
+    assert cal.saving_bound(cal.Candidate(1, 2), 4) == (1 + 2 * 0.95) / 4
     assert len(set(grid)) == len(grid)
     assert {c.alpha for c in grid if c.k2} == {1.0, 2.0, 4.0}
 
 
-def test_sweep_picks_the_most_reuse_within_tolerance_and_rejects_early() -> None:
+def test_sweep_picks_the_largest_measured_saving_within_tolerance() -> None:
     n = 4
-    grid = [cal.Candidate(3, 0), cal.Candidate(2, 0), cal.Candidate(1, 2, 2.0), cal.Candidate(1, 0)]
+    grid = [
+        cal.Candidate(1, 0),
+        cal.Candidate(2, 0),
+        cal.Candidate(0, 3, 1.0),
+        cal.Candidate(1, 2, 2.0),
+        cal.Candidate(3, 0),
+    ]
     baseline = [True] * 18 + [False] * 2
-    calls: list[tuple[int, ReusePlan]] = []
+    tried: list[tuple[int, int]] = []
 
     def evaluate(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
-        calls.append((i, plan))
-        if plan.stage1_steps == 3:
-            ok = i % 2 == 0  # half wrong: rejected after 3 wrong
-        elif plan.stage1_steps == 2:
-            ok = baseline[i] and i != 17  # one clip more wrong than allowed, known only at the end
+        k1, k2 = plan.stage1_steps, plan.stage2_steps
+        if i == 0:
+            tried.append((k1, k2))
+        if (k1, k2) == (3, 0):
+            ok = i % 2 == 0  # half wrong: rejected after its third wrong clip
+        elif (k1, k2) == (0, 3) and plan.alpha == 2.0:
+            ok = baseline[i] and i != 17
         else:
             ok = baseline[i]
-        steps = n - plan.stage1_steps
-        return ok, steps, steps / n, steps / n
+        # Stage 2 computes half of the tokens in this fake
+        fraction = (n - k1 - 0.5 * k2) / n
+        return ok, n - k1, fraction, fraction
 
     assert cal.allowed_wrong(baseline, 0.01) == 2
     assert cal.allowed_wrong([True] * 100, 0.01) == 1
     chosen, trials = cal.sweep(n, grid, baseline, evaluate, tolerance=0.01)
+    # bounds: (3,0) .75, (1,2) .725, (0,3) .7125, (2,0) .5 — (1,2) passes and saves .5, (0,3) passes but saves
+    # .375, and nothing after (0,3) could save more than .5
     assert chosen == cal.Candidate(1, 2, 2.0)
-    assert [t.passed for t in trials] == [False, False, True]
+    assert tried == [(3, 0), (1, 2), (0, 3)]
+    assert [t.passed for t in trials] == [False, True, True]
     assert trials[0].stopped_early and trials[0].evaluated == 6 and trials[0].wrong == 3
-    assert not trials[1].stopped_early and trials[1].evaluated == 20 and trials[1].wrong == 3
-    assert trials[2].evaluated == 20 and trials[2].steps_computed_mean == 3
+    assert trials[1].evaluated == 20 and trials[1].tokens_fraction_mean == 0.5
+
+
+def test_sweep_rejects_at_the_end_without_stopping_early() -> None:
+    baseline = [True] * 18 + [False] * 2
+
+    def evaluate(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
+        return baseline[i] and i != 17, 2, 0.5, 0.5
+
+    chosen, [trial] = cal.sweep(4, [cal.Candidate(2, 0)], baseline, evaluate)
+    assert chosen is None and not trial.passed and not trial.stopped_early
+    assert trial.evaluated == 20 and trial.wrong == 3 and trial.allowed_wrong == 2
 
 
 def test_written_table_is_what_the_planner_uses(tmp_path: Path) -> None:
