@@ -2,12 +2,118 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import typer
+
 from producer.unbuilt import not_built
 
 
-def train_toy() -> None:
-    """Not built yet."""
-    not_built("train-toy", "[toy-model]")
+def train_toy(
+    steps: int = typer.Option(9000, help="Optimizer steps."),
+    batch_size: int = typer.Option(32, help="Clips per step."),
+    lr: float = typer.Option(2e-3, help="Peak AdamW learning rate (linear warmup, cosine decay)."),
+    out: Path | None = typer.Option(None, help="Run directory [default: runs/toy-<timestamp>]."),
+    seed: int = typer.Option(0, help="Seed of initialization, data and noise."),
+    eval_interval: int = typer.Option(
+        500, help="Evaluate (and checkpoint) every N steps; 0 = only at the end."
+    ),
+    eval_prompts: int = typer.Option(64, help="Held-out prompts sampled at each evaluation."),
+    eval_steps: str = typer.Option("4,20", help="Comma-separated sampling step counts to evaluate."),
+    eval_guidance: float = typer.Option(3.0, help="Classifier-free guidance scale used by evaluations."),
+    threads: int = typer.Option(
+        1, help="torch CPU threads (2 threads on a machine whose other core is busy ran 3-4x slower than 1)."
+    ),
+    bf16: bool = typer.Option(True, help="bf16 autocast for the forward pass (CPU; weights stay float32)."),
+    layers: int = typer.Option(4, help="Transformer blocks."),
+    heads: int = typer.Option(4, help="Attention heads."),
+    head_dim: int = typer.Option(32, help="Channels per head."),
+    ffn_dim: int = typer.Option(512, help="Feed-forward width."),
+    patch: str = typer.Option("8,2,2", help="Patch size (frames, height, width)."),
+    coupling: bool = typer.Option(
+        True, help="Read each training clip's position from its noise (see train.py)."
+    ),
+    t_mean: float = typer.Option(
+        1.0, help="Mean of the logit-normal training σ distribution (higher = noisier)."
+    ),
+    captions_per_combo: int = typer.Option(
+        32, help="Pre-encoded training captions per attribute combination."
+    ),
+    resume: bool = typer.Option(False, help="Continue from the run directory's checkpoint."),
+    install: bool = typer.Option(
+        False, help="Copy the final weights, config, log and curve to workers/toy/weights."
+    ),
+) -> None:
+    """Train the toy text-to-video model (rectified flow, CPU) and write safetensors weights, config, log, curve."""
+    import shlex
+    import sys
+    import time
+    from typing import Any
+
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from workers.toy import train as training
+    from workers.toy.model import DEFAULT_TRANSFORMER_CONFIG, WEIGHTS_DIR
+
+    console = Console()
+    run_dir = out if out is not None else Path("runs") / time.strftime("toy-%Y%m%d-%H%M%S")
+    transformer = dict(DEFAULT_TRANSFORMER_CONFIG)
+    transformer.update(
+        num_layers=layers, num_attention_heads=heads, attention_head_dim=head_dim, ffn_dim=ffn_dim
+    )
+    cfg = training.TrainConfig(
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        eval_interval=eval_interval,
+        eval_prompts=eval_prompts,
+        eval_steps=tuple(int(s) for s in eval_steps.split(",") if s.strip()),
+        eval_guidance=eval_guidance,
+        threads=threads,
+        bf16=bf16,
+        captions_per_combo=captions_per_combo,
+        coupling=coupling,
+        t_mean=t_mean,
+        transformer=transformer,
+    )
+    command = shlex.join(["chorus", "train-toy", *sys.argv[2:]]) if len(sys.argv) > 1 else None
+    console.print(f"[bold]train-toy[/] → {run_dir}")
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[acc]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("training", total=steps, loss=float("nan"), acc="")
+
+        def update(step: int, loss: float, result: dict[str, Any] | None) -> None:
+            fields: dict[str, Any] = {"loss": loss}
+            if result is not None:
+                accs = [f"{k[5:]}st {v['all']:.0%}" for k, v in result.items() if k.startswith("steps")]
+                fields["acc"] = "all-correct " + ", ".join(accs)
+                progress.console.print(f"step {step}: " + ", ".join(accs))
+            progress.update(task, completed=step, **fields)
+
+        log = training.train(cfg, run_dir, progress=update, resume=resume, command=command)
+    console.print(f"done in {log['wall_s'] / 60:.1f} min; weights in {run_dir}")
+    if log["evals"]:
+        console.print(f"final evaluation: {log['evals'][-1]}")
+    if install:
+        training.install_weights(run_dir)
+        console.print(f"installed into {WEIGHTS_DIR}")
 
 
 def bench_quality() -> None:

@@ -107,3 +107,9 @@ def test_eval_templates_are_held_out() -> None:
         seen = {getattr(a, name) for _, a in prompts}
         assert len(seen) >= 3
     assert world.eval_prompts(20, seed=3) == world.eval_prompts(20, seed=3)
+
+
+def test_params_at_centers_the_middle_of_the_motion() -> None:
+    a = world.Attributes("red", "square", "right", "black")
+    c = np.asarray(world.params_at(a, 14, 17).centers())
+    np.testing.assert_allclose(c.mean(axis=0), [14, 17])

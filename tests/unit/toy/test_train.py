@@ -1,0 +1,64 @@
+"""Training helpers: noise coupling, σ sampling, learning-rate schedule, initialization, reference sampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workers.toy import model, train, world
+
+
+def _noise(n: int, seed: int = 0) -> torch.Tensor:
+    shape = model.latent_shape(world.NUM_FRAMES, world.HEIGHT, world.WIDTH)
+    return torch.randn((n, *shape), generator=torch.Generator().manual_seed(seed))
+
+
+def test_coupled_position_is_in_range_and_follows_the_noise() -> None:
+    noise = _noise(256)
+    mids = train.coupled_mids(noise)
+    lo, hi = world.MID_RANGE
+    assert all(lo <= x <= hi and lo <= y <= hi for x, y in mids)
+    xs = [x for x, _ in mids]
+    assert len(set(xs)) == hi - lo + 1  # every position is used
+    # Adding a bright blob to the noise moves the chosen position onto it.
+    bumped = noise[:1].clone()
+    bumped[..., 14 - 7 : 14 + 8, 18 - 7 : 18 + 8] += 3.0
+    assert train.coupled_mids(bumped) == [(18, 14)]
+
+
+def test_sigmas_in_range_and_noisy_on_average() -> None:
+    cfg = train.TrainConfig()
+    s = train.sample_sigmas(torch.Generator().manual_seed(0), 20_000, cfg)
+    assert float(s.min()) > 0 and float(s.max()) <= 1
+    assert 0.6 < float(s.mean()) < 0.75  # logit-normal centered at 1.0 → mean σ ≈ 0.68
+
+
+def test_lr_warmup_then_cosine() -> None:
+    cfg = train.TrainConfig(steps=1000, warmup_steps=100, lr=1.0, min_lr_ratio=0.1)
+    assert train.lr_at(0, cfg) == 0.01
+    assert train.lr_at(99, cfg) == 1.0
+    assert abs(train.lr_at(1000, cfg) - 0.1) < 1e-9
+    lrs = [train.lr_at(s, cfg) for s in range(100, 1000)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_zero_init_makes_the_output_zero() -> None:
+    cfg = dict(model.DEFAULT_TRANSFORMER_CONFIG, num_layers=1, num_attention_heads=2, attention_head_dim=12)
+    t = model.build_transformer(cfg)
+    train.init_weights(t, "zero")
+    out = t(_noise(2), torch.tensor([500.0, 900.0]), torch.randn(2, model.TEXT_LEN, model.TEXT_DIM))[0]
+    assert torch.count_nonzero(out) == 0
+
+
+def test_reference_sampler_is_deterministic_per_seed() -> None:
+    cfg = dict(model.DEFAULT_TRANSFORMER_CONFIG, num_layers=1, num_attention_heads=2, attention_head_dim=12)
+    torch.manual_seed(0)
+    t = model.build_transformer(cfg).eval()
+    cond = torch.randn(2, model.TEXT_LEN, model.TEXT_DIM)
+    uncond = torch.zeros(1, model.TEXT_LEN, model.TEXT_DIM)
+    shape = model.latent_shape(world.NUM_FRAMES, world.HEIGHT, world.WIDTH)
+    a = train.sample_latents(t, cond, uncond, train.seeded_noise([1, 2], shape), steps=3, guidance=2.0)
+    b = train.sample_latents(t, cond, uncond, train.seeded_noise([1, 2], shape), steps=3, guidance=2.0)
+    assert torch.equal(a, b)
+    clips = model.latents_to_clips(a)
+    assert clips.shape == (2, world.NUM_FRAMES, world.HEIGHT, world.WIDTH, 3) and clips.dtype == np.uint8

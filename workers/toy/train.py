@@ -1,0 +1,420 @@
+"""Rectified-flow training of the toy model, its reference sampler, and accuracy evaluation with the checker.
+
+Training pairs: a random attribute combination, a random caption for it from a pre-encoded pool
+(``TRAIN_TEMPLATES``), and a fresh random placement rendered by the world. Evaluation uses held-out prompts
+(``EVAL_TEMPLATES``) and fixed noise seeds, sampled with the scheduler the engine uses, read by the checker.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from workers.engine.bundle import ModelBundle
+from workers.toy import checker, world
+from workers.toy.model import (
+    CONFIG_FILE,
+    DEFAULT_TRANSFORMER_CONFIG,
+    SCHEDULER_CONFIG,
+    WEIGHTS_DIR,
+    WEIGHTS_FILE,
+    build_transformer,
+    clips_to_latents,
+    encode_prompts,
+    latent_shape,
+    latents_to_clips,
+    make_scheduler,
+)
+
+LOG_FILE = "training_log.json"
+CURVE_FILE = "loss_curve.png"
+TRAIN_CONFIG_FILE = "train_config.json"
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 9000
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 200
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ema_decay: float = 0.999
+    caption_dropout: float = 0.1
+    # σ ~ sigmoid(N(t_mean, t_std)) with probability 1 - t_uniform, else uniform(0, 1).
+    t_mean: float = 1.0
+    t_std: float = 1.0
+    t_uniform: float = 0.1
+    captions_per_combo: int = 32
+    seed: int = 0
+    threads: int = 1
+    bf16: bool = True
+    eval_interval: int = 1000
+    eval_prompts: int = 48
+    eval_steps: tuple[int, ...] = (4, 20)
+    eval_guidance: float = 3.0
+    log_interval: int = 25
+    # "zero": adaLN-Zero style (every block starts as the identity, the output projection at zero);
+    # "default": diffusers' initialization.
+    init: str = "zero"
+    # Couple each training clip to its noise: the shape's mid-clip position is read from the noise
+    # (``coupled_mids``) instead of drawn independently, so the flow from noise to clip is nearly straight.
+    coupling: bool = True
+    transformer: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_TRANSFORMER_CONFIG))
+
+
+# --- sampling ---------------------------------------------------------------------------------------------
+
+
+def seeded_noise(seeds: Sequence[int], shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """Initial noise: one ``torch.Generator().manual_seed(seed)`` draw of ``shape`` per seed, stacked."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+
+
+@torch.no_grad()
+def sample_latents(
+    transformer: Any,
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    noise: torch.Tensor,
+    steps: int,
+    guidance: float,
+) -> torch.Tensor:
+    """Plain Euler sampling with classifier-free guidance: ``v = v_u + g·(v_c − v_u)``.
+
+    ``cond`` is ``(B, L, D)``, ``uncond`` ``(1, L, D)``, ``noise`` ``(B, C, F, H, W)``.
+    """
+    param = next(transformer.parameters())
+    scheduler = make_scheduler()
+    scheduler.set_timesteps(steps)
+    x = noise.to(device=param.device, dtype=torch.float32)
+    cond = cond.to(device=param.device, dtype=param.dtype)
+    uncond = uncond.to(device=param.device, dtype=param.dtype).expand(cond.shape[0], -1, -1)
+    batch = x.shape[0]
+    for t in scheduler.timesteps:
+        if guidance == 1.0:
+            v = transformer(x.to(param.dtype), t.expand(batch), cond, return_dict=False)[0].float()
+        else:
+            out = transformer(
+                torch.cat([x, x]).to(param.dtype),
+                t.expand(2 * batch),
+                torch.cat([cond, uncond]),
+                return_dict=False,
+            )[0].float()
+            v_c, v_u = out.chunk(2)
+            v = v_u + guidance * (v_c - v_u)
+        x = scheduler.step(v, t, x, return_dict=False)[0]
+    return x
+
+
+def sample_batch(
+    bundle: ModelBundle, prompts: Sequence[str], seeds: Sequence[int], steps: int, guidance: float
+) -> np.ndarray:
+    """Clips for several prompts at once: uint8 ``(B, F, H, W, 3)``."""
+    spec = bundle.spec
+    shape = bundle.latent_shape(spec.default_num_frames, spec.default_height, spec.default_width)
+    cond = torch.cat([bundle.encode_prompt(p).embeddings for p in prompts])
+    uncond = bundle.encode_prompt("").embeddings
+    latents = sample_latents(bundle.transformer, cond, uncond, seeded_noise(seeds, shape), steps, guidance)
+    return latents_to_clips(latents)
+
+
+def sample(bundle: ModelBundle, prompt: str, seed: int, steps: int, guidance: float) -> np.ndarray:
+    """Reference sampler: one clip, uint8 ``(F, H, W, 3)``."""
+    return sample_batch(bundle, [prompt], [seed], steps, guidance)[0]
+
+
+# --- evaluation -------------------------------------------------------------------------------------------
+
+
+def evaluate(
+    transformer: Any,
+    prompts: Sequence[tuple[str, world.Attributes]],
+    steps_list: Sequence[int],
+    guidance: float,
+    seed_base: int = 1_000_000,
+    batch_size: int = 64,
+) -> dict[str, dict[str, float]]:
+    """Per-attribute and all-correct accuracy of samples for ``prompts`` at each step count (noise seed of prompt
+    ``i`` is ``seed_base + i``)."""
+    shape = latent_shape(world.NUM_FRAMES, world.HEIGHT, world.WIDTH)
+    uncond = encode_prompts([""])[0].embeddings
+    cond_all = torch.cat([e.embeddings for e in encode_prompts([p for p, _ in prompts])])
+    results: dict[str, dict[str, float]] = {}
+    for steps in steps_list:
+        scored: list[dict[str, bool]] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            noise = seeded_noise(range(seed_base + start, seed_base + start + len(chunk)), shape)
+            latents = sample_latents(
+                transformer, cond_all[start : start + len(chunk)], uncond, noise, steps, guidance
+            )
+            for clip, (_, attrs) in zip(latents_to_clips(latents), chunk, strict=True):
+                scored.append(checker.compare(checker.read_clip(clip), attrs))
+        results[f"steps{steps}"] = checker.accuracy(scored)
+    return results
+
+
+# --- training ---------------------------------------------------------------------------------------------
+
+
+class CaptionPool:
+    """Pre-encoded training captions: ``per_combo`` captions for every attribute combination."""
+
+    def __init__(self, per_combo: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.combos = world.all_attributes()
+        self.per_combo = per_combo
+        captions = [world.make_caption(a, rng, "train") for a in self.combos for _ in range(per_combo)]
+        self.captions = captions
+        encodings = encode_prompts(captions)
+        self.embeddings = torch.cat([e.embeddings for e in encodings]).to(torch.bfloat16)
+        self.empty = encode_prompts([""])[0].embeddings
+
+    def batch(
+        self,
+        rng: np.random.Generator,
+        size: int,
+        dropout: float,
+        mids: list[tuple[int, int]] | None = None,
+    ) -> tuple[np.ndarray, torch.Tensor, list[world.Attributes]]:
+        combo_idx = rng.integers(0, len(self.combos), size=size)
+        caption_idx = combo_idx * self.per_combo + rng.integers(0, self.per_combo, size=size)
+        attrs = [self.combos[int(i)] for i in combo_idx]
+        if mids is None:
+            params = [world.sample_params(a, rng) for a in attrs]
+        else:
+            params = [world.params_at(a, mx, my) for a, (mx, my) in zip(attrs, mids, strict=True)]
+        clips = np.stack([world.render(p) for p in params])
+        emb = self.embeddings[torch.from_numpy(caption_idx)].float()
+        drop = torch.from_numpy(rng.random(size) < dropout)
+        emb[drop] = self.empty[0]
+        return clips, emb, attrs
+
+
+def init_weights(transformer: Any, mode: str) -> None:
+    """Start every residual branch closed and the output at zero, as DiT's adaLN-Zero does: the per-block
+    modulation (``scale_shift_table`` + projected timestep) starts at 0, so shift/scale/gate are 0 and
+    self-attention and feed-forward add nothing; cross-attention (ungated in Wan) starts with a zero output
+    projection."""
+    if mode == "default":
+        return
+    if mode != "zero":
+        raise ValueError(f"unknown init {mode!r}")
+    with torch.no_grad():
+        for module in (transformer.proj_out, transformer.condition_embedder.time_proj):
+            module.weight.zero_()
+            module.bias.zero_()
+        for block in transformer.blocks:
+            block.scale_shift_table.zero_()
+            block.attn2.to_out[0].weight.zero_()
+            block.attn2.to_out[0].bias.zero_()
+
+
+def coupled_mids(noise: torch.Tensor) -> list[tuple[int, int]]:
+    """Where the noise "wants" the shape: the center in ``MID_RANGE``² whose 15×15 window has the largest sum of
+    the noise summed over channels and frames. A translation-equivariant, local reading of the noise, so the
+    transformer can learn it, and uniform over the range by symmetry."""
+    field = noise.sum(dim=(1, 2))[:, None]  # (B, 1, H, W)
+    k = 2 * world.HALF_SIZE + 1
+    window = torch.nn.functional.avg_pool2d(field, k, stride=1, padding=k // 2, count_include_pad=True)[:, 0]
+    lo, hi = world.MID_RANGE
+    region = window[:, lo : hi + 1, lo : hi + 1].flatten(1)
+    idx = region.argmax(dim=1).tolist()
+    width = hi - lo + 1
+    return [(lo + i % width, lo + i // width) for i in idx]
+
+
+def sample_sigmas(rng: torch.Generator, size: int, cfg: TrainConfig) -> torch.Tensor:
+    logit = torch.randn(size, generator=rng) * cfg.t_std + cfg.t_mean
+    sigmas = torch.sigmoid(logit)
+    uniform = torch.rand(size, generator=rng)
+    use_uniform = torch.rand(size, generator=rng) < cfg.t_uniform
+    return torch.where(use_uniform, uniform, sigmas).clamp(1e-4, 1.0)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def save_weights(transformer: Any, config: dict[str, Any], out_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().contiguous().cpu() for k, v in transformer.state_dict().items()}
+    save_file(state, str(out_dir / WEIGHTS_FILE))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def plot_curve(log: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    if log["loss"]:
+        steps, losses = zip(*log["loss"], strict=True)
+        ax_loss.plot(steps, losses, lw=1)
+        ax_loss.set_yscale("log")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("flow-matching loss (mean over log interval)")
+    ax_loss.grid(alpha=0.3)
+    for key in ("steps" + str(s) for s in log["train_config"]["eval_steps"]):
+        points = [(e["step"], e[key]["all"]) for e in log["evals"] if key in e]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax_acc.plot(xs, ys, marker="o", label=f"all-correct, {key[5:]} steps")
+    ax_acc.set_ylim(0, 1.02)
+    ax_acc.set_xlabel("step")
+    ax_acc.set_ylabel(f"held-out accuracy (g={log['train_config']['eval_guidance']})")
+    ax_acc.grid(alpha=0.3)
+    ax_acc.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+ProgressFn = Callable[[int, float, dict[str, Any] | None], None]
+
+
+def train(
+    cfg: TrainConfig,
+    out_dir: Path,
+    progress: ProgressFn | None = None,
+    resume: bool = False,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Train, evaluating every ``eval_interval`` steps and at the end; writes weights (EMA), config, log, curve
+    and a resumable checkpoint into ``out_dir``. Returns the log."""
+    torch.set_num_threads(cfg.threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    transformer = build_transformer(cfg.transformer)
+    init_weights(transformer, cfg.init)
+    transformer.train()
+    ema = copy.deepcopy(transformer).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(
+        transformer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99)
+    )
+    rng = np.random.default_rng(cfg.seed)
+    trng = torch.Generator().manual_seed(cfg.seed)
+    log: dict[str, Any] = {
+        "train_config": asdict(cfg),
+        "scheduler_config": SCHEDULER_CONFIG,
+        "parameters": sum(p.numel() for p in transformer.parameters()),
+        "command": command,
+        "loss": [],
+        "evals": [],
+        "wall_s": 0.0,
+    }
+    start_step = 0
+    checkpoint_path = out_dir / CHECKPOINT_FILE
+    if resume and checkpoint_path.exists():
+        state = torch.load(checkpoint_path, weights_only=False)
+        transformer.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng = state["rng"]
+        trng.set_state(state["trng"])
+        log = state["log"]
+        start_step = state["step"]
+    (out_dir / TRAIN_CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+
+    pool = CaptionPool(cfg.captions_per_combo, cfg.seed)
+    eval_set = world.eval_prompts(cfg.eval_prompts, seed=12345)
+    ema_params = list(ema.parameters())
+    model_params = list(transformer.parameters())
+    t_start = time.time() - float(log["wall_s"])
+    running: list[float] = []
+
+    def checkpoint(step: int) -> None:
+        log["wall_s"] = time.time() - t_start
+        save_weights(ema, cfg.transformer, out_dir)
+        (out_dir / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
+        plot_curve(log, out_dir / CURVE_FILE)
+        torch.save(
+            {
+                "model": transformer.state_dict(),
+                "ema": ema.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "rng": rng,
+                "trng": trng.get_state(),
+                "log": log,
+                "step": step,
+            },
+            checkpoint_path,
+        )
+
+    def run_eval(step: int) -> dict[str, Any]:
+        t0 = time.time()
+        result: dict[str, Any] = {"step": step}
+        result.update(evaluate(ema, eval_set, cfg.eval_steps, cfg.eval_guidance))
+        result["eval_s"] = round(time.time() - t0, 1)
+        log["evals"].append(result)
+        return result
+
+    for step in range(start_step, cfg.steps):
+        shape = (cfg.batch_size, *latent_shape(world.NUM_FRAMES, world.HEIGHT, world.WIDTH))
+        noise = torch.randn(shape, generator=trng)
+        mids = coupled_mids(noise) if cfg.coupling else None
+        clips, emb, _ = pool.batch(rng, cfg.batch_size, cfg.caption_dropout, mids)
+        x0 = clips_to_latents(clips)
+        sigma = sample_sigmas(trng, cfg.batch_size, cfg)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        target = noise - x0
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            pred = transformer(xt, sigma * 1000.0, emb, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(pred.float(), target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model_params, cfg.grad_clip)
+        optimizer.step()
+        decay = min(cfg.ema_decay, (1 + step) / (10 + step))
+        with torch.no_grad():
+            torch._foreach_lerp_(ema_params, model_params, 1 - decay)
+        running.append(float(loss.detach()))
+        if len(running) == cfg.log_interval or step + 1 == cfg.steps:
+            log["loss"].append([step + 1, float(np.mean(running))])
+            running = []
+            status = {"step": step + 1, "steps": cfg.steps, "loss": log["loss"][-1][1]}
+            status["wall_s"] = round(time.time() - t_start, 1)
+            (out_dir / "progress.json").write_text(json.dumps(status) + "\n")
+        result = None
+        done = step + 1
+        if done == cfg.steps or (cfg.eval_interval > 0 and done % cfg.eval_interval == 0):
+            result = run_eval(done)
+            checkpoint(done)
+        if progress is not None:
+            progress(done, float(loss.detach()), result)
+    log["wall_s"] = time.time() - t_start
+    (out_dir / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
+    plot_curve(log, out_dir / CURVE_FILE)
+    return log
+
+
+def install_weights(run_dir: Path, target: Path = WEIGHTS_DIR) -> None:
+    """Copy a run's final weights, config, log and curve to ``target`` (the committed ``workers/toy/weights``)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in (WEIGHTS_FILE, CONFIG_FILE, LOG_FILE, CURVE_FILE, TRAIN_CONFIG_FILE):
+        if (run_dir / name).exists():
+            shutil.copy2(run_dir / name, target / name)
