@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -39,7 +41,7 @@ def test_lr_warmup_then_cosine() -> None:
     assert train.lr_at(99, cfg) == 1.0
     assert abs(train.lr_at(1000, cfg) - 0.1) < 1e-9
     lrs = [train.lr_at(s, cfg) for s in range(100, 1000)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
 
 
 def test_zero_init_makes_the_output_zero() -> None:
