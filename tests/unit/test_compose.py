@@ -11,6 +11,7 @@
 - every ``CHORUS_*`` variable a service sets is a field of the settings class of the service its command runs,
   derived from the pydantic-settings classes, and the values pass that class's validation; commands parse with the
   ``chorus`` CLI; every address a service points at is a service it depends on;
+- clients on the host reach Kafka (an advertised listener on localhost:29092) and the S3 API on loopback only;
 - bind mounts point at files that exist (``tests/unit/test_metrics_infra.py`` checks the Prometheus and Grafana
   configuration behind them), and the Dockerfile installs the torch the project pins.
 """
@@ -291,3 +292,22 @@ def test_the_image_installs_what_the_project_pins() -> None:
             )
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git", ".chorus"} <= set(ignored)  # the build context stays small
+
+
+def test_host_clients_reach_kafka_and_the_object_store_on_loopback(compose: dict[str, Any]) -> None:
+    """The README's `chorus produce --bootstrap localhost:29092`, kcat and S3 downloads work from the host."""
+    all_services = services(compose)
+    kafka = all_services["kafka"]
+    env = environment(kafka)
+    listeners = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
+    published = {str(p).rsplit(":", 1)[-1]: str(p) for p in kafka.get("ports", [])}
+    for name, address in listeners.items():
+        host, port = address.rsplit(":", 1)
+        assert name in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"], name
+        if host == "localhost":
+            assert published[port] == f"127.0.0.1:{port}:{port}", "the host listener is published on loopback"
+        else:
+            assert host == "kafka", f"{name} advertises {host}, which containers cannot resolve"
+    assert "localhost" in {a.rsplit(":", 1)[0] for a in listeners.values()}
+    minio_ports = [str(p) for p in all_services["minio"]["ports"]]
+    assert "127.0.0.1:9000:9000" in minio_ports
