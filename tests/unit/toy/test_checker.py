@@ -9,7 +9,7 @@ from workers.toy import checker, world
 
 
 def _degrade(clip: np.ndarray, rng: np.random.Generator, noise: float, blur: bool) -> np.ndarray:
-    x = clip.astype(np.float32)
+    x = clip.astype(np.float64)
     if blur:  # separable [1, 2, 1] / 4 blur in both spatial axes
         for axis in (1, 2):
             x = 0.25 * np.roll(x, 1, axis) + 0.5 * x + 0.25 * np.roll(x, -1, axis)

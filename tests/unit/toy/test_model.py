@@ -43,7 +43,7 @@ def test_scheduler_is_flow_match_euler_with_the_recorded_config() -> None:
     s = model.make_scheduler()
     assert isinstance(s, FlowMatchEulerDiscreteScheduler)
     for key, value in model.SCHEDULER_CONFIG.items():
-        assert s.config[key] == value
+        assert s.config[key] == value  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow

@@ -79,11 +79,12 @@ def _words(text: str) -> set[str]:
 def test_captions_name_exactly_the_attributes() -> None:
     color_words = {w: name for name, ws in world.COLOR_WORDS.items() for w in ws}
     shape_words = {w: name for name, ws in world.SHAPE_WORDS.items() for w in ws}
-    for split in ("train", "eval"):
+    splits: tuple[world.Split, ...] = ("train", "eval")
+    for split in splits:
         for seed in range(300):
             rng = np.random.default_rng(seed)
             attrs = world.sample_attributes(rng)
-            caption = world.make_caption(attrs, rng, split)  # type: ignore[arg-type]
+            caption = world.make_caption(attrs, rng, split)
             words = _words(caption)
             colors = {color_words[w] for w in words if w in color_words}
             assert colors == {attrs.color, attrs.background}, caption
