@@ -63,7 +63,15 @@ RETRY_CAUSES: Final = ("backing_service", "error", "busy")
 LOOKUP_OUTCOMES: Final = ("hit", "miss", "incompatible", "cross_tenant_blocked")
 SCHEDULER_PHASES: Final = ("embed", "search", "dispatch")
 RESULT_STATUSES: Final = ("done", "failed", "rejected")
-EVICTION_REASONS: Final = ("stale_leader", "ttl", "budget", "leader_failed", "leader_no_trajectory", "other")
+EVICTION_REASONS: Final = (
+    "stale_leader",
+    "ttl",
+    "budget",
+    "leader_failed",
+    "leader_no_trajectory",
+    "donor_gone",
+    "other",
+)
 CONSUMERS: Final = ("requests", "results")
 ENTRY_STATUSES: Final = ("ready", "running")
 

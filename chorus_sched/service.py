@@ -605,6 +605,7 @@ class Scheduler:
             elif leader and (entry := self.index.get(rid)) is not None and not entry.ready:
                 self._evict({rid: "leader finished without a stored trajectory"})
             self._count_hit(result)
+            self._drop_gone_donor(result)
         else:
             if state != "done":
                 self.ledger.set_state(rid, "failed")
@@ -671,6 +672,21 @@ class Scheduler:
                 "tenant": record.tenant,
             },
         )
+
+    def _drop_gone_donor(self, result: GenerationResult) -> None:
+        """A worker found the planned donor's objects missing, corrupt or incompatible: stop offering it, and let
+        the eviction order delete whatever of it is left in the store."""
+        if not result.donor_gone or result.donor is None:
+            return
+        donor_id = result.donor.request_id
+        entry = self.index.get(donor_id)
+        if entry is None or not entry.ready:
+            return
+        log.warning(
+            "donor unusable at fetch; evicting it",
+            extra={"request_id": result.request_id, "donor": donor_id, "fallback": result.fallback},
+        )
+        self._evict({donor_id: "donor-gone"})
 
     def _count_hit(self, result: GenerationResult) -> None:
         if result.donor is None:

@@ -12,7 +12,6 @@ failed or did not arrive in time, or the broker refused a request; 2 invalid inp
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -23,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from producer.contract import ContractError, GenerationRequest, GenerationResult, ResultStatus, ReusePolicy
+from producer.logs import configure_logging
 
 # Progress bars for batches at least this large.
 _PROGRESS_MIN = 20
@@ -70,7 +70,8 @@ def produce(
     err = Console(stderr=True)
     overrides: dict[str, Any] = {"kafka_bootstrap": bootstrap} if bootstrap else {}
     settings = ProducerSettings(**overrides)
-    _log_to_stderr(settings.log_format)
+    # Only warnings, on stderr: stdout carries the output (``--json``).
+    configure_logging("WARNING", settings.log_format)
 
     if (prompt is None) == (file is None):
         _fail(err, "give exactly one of --prompt or --file")
@@ -148,17 +149,6 @@ def produce(
     failed = any(r.status is not ResultStatus.DONE for r in results.values())
     if missing or failed:
         raise typer.Exit(code=1)
-
-
-def _log_to_stderr(fmt: str) -> None:
-    """Warnings of the client libraries go to stderr, so stdout carries only the output (``--json``)."""
-    from producer.logs import ConsoleFormatter, JsonFormatter
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else ConsoleFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.WARNING)
 
 
 def _read_lines(file: Path, err: Console) -> list[str]:

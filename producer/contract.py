@@ -211,6 +211,11 @@ class PhaseTimings(_Wire):
 
 
 class GenerationResult(_Wire):
+    # Readers (the SDK, the scheduler) ignore fields they do not know: during a rolling upgrade workers may
+    # already send a field that an older reader lacks, and dropping the whole result would lose it. Requests stay
+    # strict, so a misspelled field is reported to whoever sent it.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
     schema_version: Literal[1] = SCHEMA_VERSION
     request_id: str
     tenant: str = "default"
@@ -226,6 +231,10 @@ class GenerationResult(_Wire):
     steps_requested: int = Field(default=0, ge=0)
     tokens_computed_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     fallback: str | None = Field(default=None, description="why a planned donor was not used, if it was not")
+    donor_gone: bool = Field(
+        default=False,
+        description="the planned finished donor was missing, corrupt or incompatible: it must not be offered again",
+    )
     timings: PhaseTimings = Field(default_factory=PhaseTimings)
     worker: str | None = None
     completed_at: AwareDatetime = Field(default_factory=_utcnow)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.errors import CorruptTrajectory, DonorUnavailable
+from workers.engine.errors import CorruptTrajectory, DonorMissing, DonorUnavailable
 from workers.engine.trajectory import (
     StepRecord,
     StorageDType,
@@ -149,7 +149,9 @@ class S3DonorSource:
             else:
                 self.bytes_read += len(data)
                 return data
-            if self.wait_s <= 0 or self._gave_up:
+            if self.wait_s <= 0:
+                raise DonorMissing(f"donor {what} is not in the store ({self.store.uri(key)})")
+            if self._gave_up:
                 raise DonorUnavailable(f"donor {what} is not in the store ({self.store.uri(key)})")
             now = self._clock()
             if deadline is None:

@@ -105,6 +105,7 @@ def done_result(
     fallback: str | None,
     timings: PhaseTimings,
     worker: str | None,
+    donor_gone: bool = False,
 ) -> GenerationResult:
     request = order.request
     return GenerationResult(
@@ -120,6 +121,7 @@ def done_result(
         steps_requested=request.num_steps,
         tokens_computed_fraction=min(1.0, max(0.0, tokens_computed_fraction)),
         fallback=fallback,
+        donor_gone=donor_gone,
         timings=timings,
         worker=worker,
     )

@@ -26,7 +26,13 @@ from workers import metrics as worker_metrics
 from workers import video
 from workers.donors import S3DonorSource, TrajectoryUploader
 from workers.engine.engine import Engine, GenerationOutput
-from workers.engine.errors import CorruptTrajectory, DonorUnavailable, IncompatibleDonor, ModelUnavailable
+from workers.engine.errors import (
+    CorruptTrajectory,
+    DonorMissing,
+    DonorUnavailable,
+    IncompatibleDonor,
+    ModelUnavailable,
+)
 from workers.engine.registry import load_bundle
 from workers.engine.trajectory import StepRecord
 from workers.orders import Role, WorkOrder, trajectory_prefix, video_key
@@ -196,6 +202,9 @@ class Runner:
         loaded = engine_for(request.model, self.settings)
         full = ReusePlan.full(request.num_steps)
         fallbacks: list[str] = []
+        # Set when a finished donor proved unusable for good, so the scheduler stops offering it; a transient S3
+        # error or a follower's late leader does not count.
+        donor_gone = False
         source: S3DonorSource | None = None
         run_plan = plan
         donor = order.donor
@@ -222,6 +231,7 @@ class Runner:
                         source = candidate
                     except (DonorUnavailable, CorruptTrajectory) as exc:
                         fallbacks.append(f"donor {donor.request_id} unusable ({exc}): computed in full")
+                        donor_gone = isinstance(exc, DonorMissing | CorruptTrajectory)
                         worker_metrics.count_fallback(
                             "donor_corrupt" if isinstance(exc, CorruptTrajectory) else "donor_unavailable"
                         )
@@ -260,6 +270,7 @@ class Runner:
                     output = self._generate(loaded.engine, order, run_plan, source, uploader, clock, progress)
                 except IncompatibleDonor as exc:
                     fallbacks.append(f"incompatible donor ({exc}): computed in full")
+                    donor_gone = order.role is not Role.FOLLOWER
                     worker_metrics.count_fallback("donor_incompatible")
                     log.warning("incompatible donor", extra={"request_id": request_id, "error": str(exc)})
                     output = self._generate(loaded.engine, order, full, None, uploader, clock, progress)
@@ -297,6 +308,7 @@ class Runner:
             steps_computed=output.steps_computed,
             tokens_computed_fraction=output.tokens_computed_fraction,
             fallback="; ".join(fallbacks) if fallbacks else None,
+            donor_gone=donor_gone,
             timings=clock.timings(queue_s),
             worker=worker,
         )

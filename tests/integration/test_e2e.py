@@ -13,7 +13,7 @@ it needs itself:
 - malformed messages land on the dead-letter topic with their reason, and later requests still complete;
 - a donor deleted from S3 after the scheduler planned with it: the request completes in full, ``fallback`` says why;
 - a follower whose leader never runs completes in full once its wait runs out;
-- (strict xfail, a known gap) a donor found missing at fetch is planned again for the next similar request.
+- a donor found missing at fetch is evicted (the worker says so in ``donor_gone``) and not planned again.
 
 The last two must act between two steps of the pipeline. They pause the worker's whole process group (SIGSTOP) so
 that an order the scheduler has dispatched cannot be fetched yet, and wait until the scheduler logged the dispatch:
@@ -548,11 +548,6 @@ def test_a_follower_whose_leader_never_runs_completes_in_full_after_its_deadline
         assert entry is not None and not entry.ready
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: a fallback does not tell the scheduler that its donor's objects are gone; the donor stays "
-    "indexed as ready and keeps being planned (and falling back) until TTL or budget eviction",
-)
 def test_a_donor_found_missing_at_fetch_is_not_planned_again(stack: EmbeddedStack) -> None:
     tenant, prompt = "gone", "a brown horse running on a sandy beach"
     donor = request("gone-donor", prompt, tenant, seed=1)
@@ -564,6 +559,7 @@ def test_a_donor_found_missing_at_fetch_is_not_planned_again(stack: EmbeddedStac
     missed = submit_and_wait(stack, first)[first.request_id]
     assert missed.donor is not None and missed.donor.request_id == donor.request_id
     assert missed.fallback is not None and "not in the store" in missed.fallback
+    assert missed.donor_gone
     stack.wait_idle(timeout_s=WAIT_S)
     # The same prompt again: the planner should no longer offer the donor whose objects are known to be gone.
     again = request("gone-again", prompt, tenant, seed=3)

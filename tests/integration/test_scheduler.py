@@ -393,6 +393,50 @@ def test_eviction_removes_the_point_then_orders_the_objects_deleted(make_setting
         h.close()
 
 
+def test_a_donor_a_worker_found_gone_is_evicted_and_not_offered_again(make_settings: Any) -> None:
+    settings = make_settings(evict_interval_s=3600)
+    h = Harness(settings, celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix))
+    try:
+        h.publish(request(request_id="gone"))
+        h.wait_handled()
+        h.publish_result(done("gone"))
+        h.wait_handled()
+        h.publish(request(request_id="slow-user", seed=2), request(request_id="user", seed=3))
+        h.wait_handled()
+        tasks = h.generate_tasks()
+        for rid in ("slow-user", "user"):
+            assert tasks[rid].order.donor is not None and tasks[rid].order.donor.request_id == "gone"
+        # a fallback that says nothing about the donor itself (a transient S3 error) keeps it
+        h.publish_result(
+            done("slow-user", donor="gone", plan=tasks["slow-user"].order.plan, fallback="donor unreadable")
+        )
+        h.wait_handled()
+        assert h.scheduler.index.get("gone") is not None
+        # a worker found its objects missing: the entry goes, and the workers are told to delete what is left
+        h.publish_result(
+            done(
+                "user",
+                donor="gone",
+                plan=tasks["user"].order.plan,
+                fallback="donor header is not in the store",
+                donor_gone=True,
+            )
+        )
+        h.wait_handled()
+        assert h.scheduler.index.get("gone") is None and h.scheduler.ledger.state("gone") == "evicted"
+        orders = drain(h.app, MAINTENANCE_QUEUE)
+        assert {(tuple(t.evict_order.request_ids), t.evict_order.reason) for t in orders} == {
+            (("gone",), "donor-gone")
+        }
+        # the next similar request takes one of the requests that ran in full, not the gone donor
+        h.publish(request(request_id="next", seed=4))
+        h.wait_handled()
+        nxt = h.generate_tasks()["next"].order
+        assert nxt.donor is not None and nxt.donor.request_id in {"slow-user", "user"}
+    finally:
+        h.close()
+
+
 @dataclass(frozen=True)
 class Record:
     """A consumed message as the scheduler core sees it (what kafka-python's ConsumerRecord carries)."""

@@ -226,6 +226,7 @@ def test_an_evicted_donor_is_deleted_and_then_runs_in_full(
     assert (result.steps_computed, result.tokens_computed_fraction) == (4, 1.0)
     assert result.fallback is not None and "not in the store" in result.fallback
     assert result.donor is not None and result.donor.request_id == first.request_id
+    assert result.donor_gone  # the scheduler is told to stop offering it
 
 
 def test_a_corrupt_donor_runs_in_full(
@@ -242,6 +243,7 @@ def test_a_corrupt_donor_runs_in_full(
     result, _ = run(client, results, order)
     assert result.status is ResultStatus.DONE, result.error
     assert result.steps_computed == 4 and result.fallback is not None and "sha256" in result.fallback
+    assert result.donor_gone
 
 
 def test_an_incompatible_donor_runs_in_full(worker: Celery, client: Celery, results: ResultWatcher) -> None:
@@ -255,6 +257,7 @@ def test_an_incompatible_donor_runs_in_full(worker: Celery, client: Celery, resu
         and "incompatible donor" in result.fallback
         and "num_frames" in result.fallback
     )
+    assert result.donor_gone
 
 
 def test_a_follower_whose_leader_never_uploads_runs_in_full_after_its_deadline(
@@ -270,6 +273,7 @@ def test_a_follower_whose_leader_never_uploads_runs_in_full_after_its_deadline(
     assert result.status is ResultStatus.DONE, result.error
     assert (result.steps_computed, result.tokens_computed_fraction) == (4, 1.0)
     assert result.fallback is not None and "not uploaded within 1 s" in result.fallback
+    assert not result.donor_gone  # a late leader is no reason to forget it
     # It waited (at least) its deadline, and that wait is reported as fetch time, not denoise.
     assert result.timings.fetch_s >= 1.0
 

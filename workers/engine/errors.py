@@ -21,6 +21,10 @@ class DonorUnavailable(DonorError):
     """Donor data cannot be had (not uploaded yet, deleted, timed out). Raised by a ``DonorSource``."""
 
 
+class DonorMissing(DonorUnavailable):
+    """A finished donor's object is not in the store: deleted outside Chorus, so it will never be usable again."""
+
+
 class CorruptTrajectory(DonorError):
     """Serialized trajectory data does not decode or does not match its checksum."""
 

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import typer
 
-from producer.unbuilt import not_built
-
 
 def train_toy(
     steps: int = typer.Option(9000, help="Optimizer steps."),
@@ -114,8 +112,3 @@ def train_toy(
     if install:
         training.install_weights(run_dir)
         console.print(f"installed into {WEIGHTS_DIR}")
-
-
-def bench_quality() -> None:
-    """Not built yet."""
-    not_built("bench quality", "[toy-model]")

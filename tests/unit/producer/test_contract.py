@@ -165,6 +165,17 @@ def test_plan_and_result_and_dead_letter_round_trip() -> None:
     assert back.issues[0].field == "prompt" and back.error.code == "invalid_request"
 
 
+def test_a_result_from_a_newer_worker_is_still_read() -> None:
+    # A field added in a later release must not make an older reader drop the result (rolling upgrades).
+    result = GenerationResult(request_id="r", status=ResultStatus.DONE, steps_computed=3)
+    doc = json.loads(result.to_bytes())
+    doc["added_in_a_later_release"] = {"x": 1}
+    assert GenerationResult.model_validate_json(json.dumps(doc)) == result
+    # Requests stay strict: a misspelled field is reported, not ignored.
+    with pytest.raises(ContractError, match="extra_forbidden"):
+        parse_request(b'{"prompt": "x", "sead": 3}')
+
+
 def test_request_is_immutable() -> None:
     request = build_request(prompt="x")
     with pytest.raises(ValueError):

@@ -61,6 +61,7 @@ def test_names_follow_prometheus_conventions_and_every_label_is_bounded() -> Non
         ("leader failed", "leader_failed"),
         ("leader rejected", "leader_failed"),
         ("leader finished without a stored trajectory", "leader_no_trajectory"),
+        ("donor-gone", "donor_gone"),
         ("something else", "other"),
     ],
 )
