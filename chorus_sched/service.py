@@ -852,6 +852,10 @@ def _records(batches: dict[Any, list[Any]]) -> list[Any]:
     return [r for records in batches.values() for r in records]
 
 
+# Consecutive failed polls after which a consumer loop leaves the group and joins again as a new member.
+REJOIN_AFTER_POLL_FAILURES = 5
+
+
 class _Loop:
     """One consumer polled continuously in its own thread, its batches handed to the scheduler.
 
@@ -916,20 +920,26 @@ class _Loop:
                 )
 
         settings = self.settings
-        consumer = bus.make_consumer(
-            settings,
-            [],
-            group_id=self.group_id,
-            client_id=client_id,
-            max_poll_records=settings.poll_max_records,
-            metadata_max_age_ms=settings.kafka_metadata_max_age_ms,
-            session_timeout_ms=settings.kafka_session_timeout_ms,
-            heartbeat_interval_ms=max(100, settings.kafka_session_timeout_ms // 3),
-            max_poll_interval_ms=settings.kafka_max_poll_interval_ms,
-        )
-        consumer.subscribe([topic], listener=_Listener())
+
+        def open_consumer() -> Any:
+            consumer = bus.make_consumer(
+                settings,
+                [],
+                group_id=self.group_id,
+                client_id=client_id,
+                max_poll_records=settings.poll_max_records,
+                metadata_max_age_ms=settings.kafka_metadata_max_age_ms,
+                session_timeout_ms=settings.kafka_session_timeout_ms,
+                heartbeat_interval_ms=max(100, settings.kafka_session_timeout_ms // 3),
+                max_poll_interval_ms=settings.kafka_max_poll_interval_ms,
+            )
+            consumer.subscribe([topic], listener=_Listener())
+            return consumer
+
+        consumer = open_consumer()
         lag_probe = METRICS.lag_probe(self.name)
         backoff = 0.0
+        failures = 0
         try:
             while not self.stop.is_set():
                 retry = False
@@ -939,9 +949,30 @@ class _Loop:
                             timeout_ms=settings.poll_timeout_ms, max_records=settings.poll_max_records
                         )
                     )
+                    failures = 0
                 except KafkaError as exc:
-                    log.warning("poll failed", extra={"topic": topic, "error": repr(exc)})
+                    failures += 1
+                    log.warning(
+                        "poll failed", extra={"topic": topic, "error": repr(exc), "in_a_row": failures}
+                    )
                     batch, retry = [], True
+                    if failures >= REJOIN_AFTER_POLL_FAILURES:
+                        # A member whose group state went wrong (e.g. a SyncGroup the coordinator no longer
+                        # expects) can keep failing the same way; a fresh member rejoins and forces a
+                        # rebalance. Nothing uncommitted is lost: the next owner reads it again.
+                        log.warning(
+                            "consumer rebuilt after repeated poll failures",
+                            extra={"topic": topic, "failures": failures},
+                        )
+                        try:
+                            consumer.close(autocommit=False)
+                        except Exception as close_exc:
+                            log.warning(
+                                "error while closing a consumer",
+                                extra={"topic": topic, "error": repr(close_exc)},
+                            )
+                        consumer = open_consumer()
+                        failures = 0
                 if batch:
                     outcome = self.handle(batch)
                     try:
