@@ -4,6 +4,7 @@
   those of its rows) and with the results (the reuse-off baseline has no donor; the same prompt with another seed
   reuses the family's first request), and the videos and the contact sheet are written.
 - A second run over the same state directory finds its donor among the first run's requests.
+- The README's demo, on the committed toy model, runs one family through.
 - Without the toy model's weights, it says so and suggests the tiny random model.
 """
 
@@ -18,6 +19,7 @@ import pytest
 from PIL import Image
 
 from producer.demo import KINDS, DemoSummary, compute_totals
+from workers.toy.model import WEIGHTS_DIR, WEIGHTS_FILE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -83,6 +85,23 @@ def test_demo_runs_end_to_end_and_a_second_run_reuses_the_first(tmp_path: Path) 
     first_ids = {r.request_id for r in summary.requests}
     assert base.hit and base.donor_from_earlier_run and base.donor_request_id in first_ids
     assert second.totals.donors_from_earlier_runs == 1 and second.run_id != summary.run_id
+
+
+@pytest.mark.skipif(not (WEIGHTS_DIR / WEIGHTS_FILE).exists(), reason="no committed toy weights")
+def test_the_readme_demo_runs_the_committed_toy_model(tmp_path: Path) -> None:
+    # What ./scripts/demo.sh runs, on the default model, with one family.
+    dirs = ["--state-dir", str(tmp_path / "state"), "--out", str(tmp_path / "out")]
+    done = subprocess.run(
+        [CHORUS, "demo", "--families", "1", "--interval", "0", *dirs],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = DemoSummary.model_validate_json((tmp_path / "out" / "summary.json").read_text())
+    assert summary.model == "toy" and summary.totals.done == len(summary.requests) == len(KINDS)
+    assert summary.totals.hits >= 1 and summary.totals.steps_saved > 0
 
 
 def test_demo_without_toy_weights_says_so_and_suggests_the_tiny_model(tmp_path: Path) -> None:
