@@ -405,7 +405,8 @@ def test_a_donor_a_worker_found_gone_is_evicted_and_not_offered_again(make_setti
         h.wait_handled()
         tasks = h.generate_tasks()
         for rid in ("slow-user", "user"):
-            assert tasks[rid].order.donor is not None and tasks[rid].order.donor.request_id == "gone"
+            ref = tasks[rid].order.donor
+            assert ref is not None and ref.request_id == "gone"
         # a fallback that says nothing about the donor itself (a transient S3 error) keeps it
         h.publish_result(
             done("slow-user", donor="gone", plan=tasks["slow-user"].order.plan, fallback="donor unreadable")
