@@ -183,7 +183,28 @@ def app_for_broker(
     settings = WorkerSettings(
         broker_url=broker_url, result_backend=result_backend, state_dir=state_dir, **settings_overrides
     )
-    return create_app(settings, with_tasks=False)
+    app = create_app(settings, with_tasks=False)
+    if not settings.broker_url:
+        _bind_queues(app)
+    return app
+
+
+def _bind_queues(app: Celery) -> None:
+    """Write every queue's binding into this app's filesystem exchange table now.
+
+    kombu's filesystem transport keeps the bindings it has declared in one process-wide state and skips writing a
+    binding it has seen before, but routes by the table in each broker's own control folder: in a process that
+    talks to a second filesystem broker (another state dir), the second folder never gets the binding and every
+    message for that queue lands on kombu's undeliverable queue, silently. Binding on a connection with a state
+    of its own writes the table whatever the process did before.
+    """
+    from kombu.transport.virtual import BrokerState
+
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        conn.transport.state = BrokerState()
+        for queue in app.amqp.queues.values():
+            queue.bind(channel).declare()
 
 
 def send_generate(app: Celery, order: WorkOrder, **options: Any) -> AsyncResult[Any]:

@@ -153,3 +153,10 @@ def test_worker_command_refuses_an_unknown_model() -> None:
 
     result = CliRunner().invoke(app, ["worker", "--model", "sora"])
     assert result.exit_code == 2 and "unknown model(s) ['sora']" in result.output
+
+
+def test_a_filesystem_client_binds_every_queue_before_it_sends(tmp_path: Path) -> None:
+    # The transport routes by the exchange table in its control folder; a queue missing there loses messages.
+    app_for_broker("", state_dir=tmp_path)
+    table = json.loads((tmp_path / "celery" / "control" / "chorus.exchange").read_text())
+    assert {queue for _key, _pattern, queue in table} >= set(all_queues())
