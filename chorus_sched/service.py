@@ -936,6 +936,12 @@ class _Loop:
             consumer.subscribe([topic], listener=_Listener())
             return consumer
 
+        def close_consumer(consumer: Any) -> None:
+            try:
+                consumer.close(autocommit=False)
+            except Exception as exc:
+                log.warning("error while closing a consumer", extra={"topic": topic, "error": repr(exc)})
+
         consumer = open_consumer()
         lag_probe = METRICS.lag_probe(self.name)
         backoff = 0.0
@@ -964,13 +970,7 @@ class _Loop:
                             "consumer rebuilt after repeated poll failures",
                             extra={"topic": topic, "failures": failures},
                         )
-                        try:
-                            consumer.close(autocommit=False)
-                        except Exception as close_exc:
-                            log.warning(
-                                "error while closing a consumer",
-                                extra={"topic": topic, "error": repr(close_exc)},
-                            )
+                        close_consumer(consumer)
                         consumer = open_consumer()
                         failures = 0
                 if batch:
@@ -993,10 +993,7 @@ class _Loop:
                 else:
                     backoff = 0.0
         finally:
-            try:
-                consumer.close(autocommit=False)
-            except Exception as exc:
-                log.warning("error while closing a consumer", extra={"topic": topic, "error": repr(exc)})
+            close_consumer(consumer)
 
 
 def run(
