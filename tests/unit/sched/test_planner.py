@@ -264,3 +264,15 @@ def test_written_tables_load_back_equal(rows: list[tuple[float, float, float]]) 
         write_calibration(original, path)
         assert load_calibration(path) == original
         assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]  # no temporary left behind
+
+
+def test_the_measured_toy_table_is_one_the_scheduler_accepts() -> None:
+    # workers/bench/results/calibration-toy.json is what README tells operators to point CHORUS_CALIBRATION_PATH at.
+    path = Path(__file__).resolve().parents[3] / "workers" / "bench" / "results" / "calibration-toy.json"
+    table = load_calibration(path)
+    assert table.provisional is False and table.embedder == "all-minilm-l6-v2"
+    planner = Planner(table)
+    same = planner.plan(1.0, token_diff(RED, RED), 4)
+    assert same.reuses and same.plan.stage1_steps == 3
+    swap = planner.plan(0.84, token_diff(RED, BLUE), 4)
+    assert swap.reuses and swap.plan.stage1_steps == 0 and swap.plan.stage2_steps > 0
