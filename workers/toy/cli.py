@@ -34,6 +34,11 @@ def train_toy(
     t_mean: float = typer.Option(
         1.0, help="Mean of the logit-normal training σ distribution (higher = noisier)."
     ),
+    t_std: float = typer.Option(1.0, help="Standard deviation of the logit-normal training σ distribution."),
+    t_uniform: float = typer.Option(0.1, help="Share of training σ drawn uniformly from (0, 1) instead."),
+    init_from: Path | None = typer.Option(
+        None, help="Fine-tune from these weights (a directory with config.json and model.safetensors)."
+    ),
     captions_per_combo: int = typer.Option(
         32, help="Pre-encoded training captions per attribute combination."
     ),
@@ -81,6 +86,9 @@ def train_toy(
         captions_per_combo=captions_per_combo,
         coupling=coupling,
         t_mean=t_mean,
+        t_std=t_std,
+        t_uniform=t_uniform,
+        init_from=str(init_from) if init_from is not None else None,
         transformer=transformer,
     )
     command = shlex.join(["chorus", "train-toy", *sys.argv[2:]]) if len(sys.argv) > 1 else None

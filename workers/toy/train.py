@@ -72,6 +72,9 @@ class TrainConfig:
     # Couple each training clip to its noise: the shape's mid-clip position is read from the noise
     # (``coupled_mids``) instead of drawn independently, so the flow from noise to clip is nearly straight.
     coupling: bool = True
+    # Start from these weights (a directory with config.json + model.safetensors) instead of a fresh init; the
+    # transformer config is then the one stored there.
+    init_from: str | None = None
     transformer: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_TRANSFORMER_CONFIG))
 
 
@@ -306,8 +309,15 @@ def train(
     torch.set_num_threads(cfg.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    transformer = build_transformer(cfg.transformer)
-    init_weights(transformer, cfg.init)
+    if cfg.init_from is not None:
+        from workers.toy.model import load_transformer
+
+        init_dir = Path(cfg.init_from)
+        cfg.transformer = json.loads((init_dir / CONFIG_FILE).read_text())
+        transformer = load_transformer(init_dir).float()
+    else:
+        transformer = build_transformer(cfg.transformer)
+        init_weights(transformer, cfg.init)
     transformer.train()
     ema = copy.deepcopy(transformer).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import torch
@@ -64,3 +65,21 @@ def test_reference_sampler_is_deterministic_per_seed() -> None:
     assert torch.equal(a, b)
     clips = model.latents_to_clips(a)
     assert clips.shape == (2, world.NUM_FRAMES, world.HEIGHT, world.WIDTH, 3) and clips.dtype == np.uint8
+
+
+def test_fine_tuning_starts_from_the_given_weights(tmp_path) -> None:
+    cfg = dict(model.DEFAULT_TRANSFORMER_CONFIG, num_layers=1, num_attention_heads=2, attention_head_dim=12)
+    cfg["ffn_dim"] = 32
+    src = tmp_path / "src"
+    t = model.build_transformer(cfg)
+    train.save_weights(t, cfg, src)
+    run = train.TrainConfig(
+        steps=1, batch_size=1, captions_per_combo=1, eval_interval=0, eval_prompts=1, eval_steps=(1,),
+        lr=0.0, warmup_steps=1, init_from=str(src), transformer={"num_layers": 99},
+    )  # fmt: skip
+    train.train(run, tmp_path / "run")
+    # The stored config replaces the given one, and with lr = 0 the weights come back unchanged.
+    assert json.loads((tmp_path / "run" / model.CONFIG_FILE).read_text())["num_layers"] == 1
+    tuned = model.load_transformer(tmp_path / "run")
+    for (name, a), b in zip(t.state_dict().items(), tuned.state_dict().values(), strict=True):
+        assert torch.equal(a.float(), b.float()), name
