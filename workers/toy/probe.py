@@ -59,18 +59,18 @@ def swapped_pairs(n: int, seed: int = 0) -> dict[str, list[tuple[world.Attribute
 def attribute_sensitivity(
     transformer: Any, sigmas: Sequence[float], prompts: int = 16, seed: int = 0
 ) -> dict[str, dict[str, float]]:
-    """``{attribute: {"σ=…": mean squared velocity difference}}`` between base and swapped prompts."""
+    """``{attribute: {"sigma=…": mean squared velocity difference}}`` between base and swapped prompts."""
     param = next(transformer.parameters())
     pairs = swapped_pairs(prompts, seed)
     shape = latent_shape(world.NUM_FRAMES, world.HEIGHT, world.WIDTH)
     noise = seeded_noise(range(seed, seed + prompts), shape)
+    # The clips the base prompts describe are placed where the noise puts them (as in training).
+    mids = coupled_mids(noise)
     result: dict[str, dict[str, float]] = {}
     for name, items in pairs.items():
         base = [a for a, _ in items]
         enc_a = torch.cat([e.embeddings for e in encode_prompts([_caption(a) for a in base])])
         enc_b = torch.cat([e.embeddings for e in encode_prompts([_caption(b) for _, b in items])])
-        # The clips the base prompts describe, placed where the noise puts them (as in training).
-        mids = coupled_mids(noise)
         x0 = clips_to_latents(
             np.stack([world.render(world.params_at(a, *m)) for a, m in zip(base, mids, strict=True)])
         )

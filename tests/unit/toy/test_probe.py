@@ -1,4 +1,4 @@
-"""The attribute-sensitivity probe: swapped pairs differ in one attribute, identical prompts give 0."""
+"""The attribute-sensitivity probe: swapped pairs differ in one attribute; a text-blind model reads 0."""
 
 from __future__ import annotations
 
