@@ -36,6 +36,14 @@ def train_toy(
     ),
     t_std: float = typer.Option(1.0, help="Standard deviation of the logit-normal training σ distribution."),
     t_uniform: float = typer.Option(0.1, help="Share of training σ drawn uniformly from (0, 1) instead."),
+    high_sigma: float = typer.Option(0.0, help="Share of training σ drawn uniformly from [0.9, 1]."),
+    aux_weight: float = typer.Option(
+        0.3, help="Weight of the auxiliary attribute loss that carries the prompt into every token (0 = off)."
+    ),
+    aux_block: int = typer.Option(1, help="Block whose mean output the auxiliary attribute heads read."),
+    positions: bool = typer.Option(
+        True, help="Learned absolute-position table on the patch embedding (see workers/toy/model.py)."
+    ),
     init_from: Path | None = typer.Option(
         None, help="Fine-tune from these weights (a directory with config.json and model.safetensors)."
     ),
@@ -64,7 +72,8 @@ def train_toy(
     )
 
     from workers.toy import train as training
-    from workers.toy.model import DEFAULT_TRANSFORMER_CONFIG, WEIGHTS_DIR
+    from workers.toy import world
+    from workers.toy.model import DEFAULT_TRANSFORMER_CONFIG, POSITION_KEY, WEIGHTS_DIR
 
     console = Console()
     run_dir = out if out is not None else Path("runs") / time.strftime("toy-%Y%m%d-%H%M%S")
@@ -72,6 +81,17 @@ def train_toy(
     transformer.update(
         num_layers=layers, num_attention_heads=heads, attention_head_dim=head_dim, ffn_dim=ffn_dim
     )
+    patch_size = [int(v) for v in patch.split(",")]
+    if len(patch_size) != 3 or any(v <= 0 for v in patch_size):
+        raise typer.BadParameter(f"--patch needs three positive sizes, got {patch!r}")
+    dims = (world.NUM_FRAMES, world.HEIGHT, world.WIDTH)
+    if any(d % p for d, p in zip(dims, patch_size, strict=True)):
+        raise typer.BadParameter(f"--patch {patch} does not tile {dims[0]}×{dims[1]}×{dims[2]} clips")
+    transformer["patch_size"] = patch_size
+    if positions:
+        transformer[POSITION_KEY] = [d // p for d, p in zip(dims, patch_size, strict=True)]
+    else:
+        transformer.pop(POSITION_KEY, None)
     cfg = training.TrainConfig(
         steps=steps,
         batch_size=batch_size,
@@ -88,6 +108,9 @@ def train_toy(
         t_mean=t_mean,
         t_std=t_std,
         t_uniform=t_uniform,
+        high_sigma=high_sigma,
+        aux_weight=aux_weight,
+        aux_block=aux_block,
         init_from=str(init_from) if init_from is not None else None,
         transformer=transformer,
     )

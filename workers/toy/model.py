@@ -7,6 +7,12 @@ directly in pixel space, conditioned on MiniLM per-token embeddings.
   (``[CLS] [SEP]``) is the unconditional input for classifier-free guidance (it is what caption dropout trained).
 * Sampler = diffusers ``FlowMatchEulerDiscreteScheduler`` with ``SCHEDULER_CONFIG``; the transformer predicts the
   flow velocity ``noise - x0`` at timestep ``1000·σ``.
+* Absolute positions: Wan only has rotary (relative) positions, so from pure noise it cannot put anything at a
+  place in the frame, and "moving left" is a statement about places (the shape is right of center early, left of
+  it late). Where the config asks for it (``POSITION_KEY``), a learned table of one vector per latent token is added
+  to the patch embedding's output by a diffusers hook (``AbsolutePositionHook``); the transformer itself is an
+  unmodified ``WanTransformer3DModel`` and the table is saved with its weights as
+  ``patch_embedding.chorus_position``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 
 from workers.engine.bundle import ModelBundle, TextEncoding
 
@@ -56,16 +63,58 @@ DEFAULT_TRANSFORMER_CONFIG: dict[str, Any] = {
     "qk_norm": "rms_norm_across_heads",
     "eps": 1e-6,
     "rope_max_seq_len": 64,
+    # The latent token grid (F', H', W') of the learned absolute-position table; see the module docstring.
+    "_chorus_position_grid": [1, 16, 16],
 }
+
+# Config key (ignored by WanTransformer3DModel: keys starting with "_" are not passed to it) and parameter name of
+# the absolute-position table.
+POSITION_KEY = "_chorus_position_grid"
+POSITION_PARAM = "chorus_position"
+POSITION_HOOK = "chorus_toy_position"
+
+
+class AbsolutePositionHook(ModelHook):
+    """Adds ``module.chorus_position`` (``(1, D, F', H', W')``) to the output of the patch embedding it is
+    registered on, i.e. to every latent token before the first block (and before SRD gathers the active ones)."""
+
+    def post_forward(self, module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
+        table = getattr(module, POSITION_PARAM)
+        if tuple(output.shape[2:]) != tuple(table.shape[2:]):
+            raise ValueError(
+                f"the toy model's position table covers a {tuple(table.shape[2:])} token grid, "
+                f"this latent makes {tuple(output.shape[2:])} (the toy model only draws 8×32×32 clips)"
+            )
+        return output + table.to(output.dtype)
+
+
+def attach_position_table(transformer: Any, grid: tuple[int, int, int]) -> None:
+    """Give ``transformer`` a learned absolute-position table for a latent token grid ``grid`` (zeros, so an
+    attached table changes nothing until trained) and register the hook that adds it."""
+    embed = transformer.patch_embedding
+    if hasattr(embed, POSITION_PARAM):
+        raise RuntimeError("this transformer already has a position table")
+    width = int(embed.out_channels)
+    embed.register_parameter(
+        POSITION_PARAM, torch.nn.Parameter(torch.zeros(1, width, *(int(g) for g in grid)))
+    )
+    HookRegistry.check_if_exists_or_initialize(embed).register_hook(AbsolutePositionHook(), POSITION_HOOK)
 
 
 def build_transformer(config: dict[str, Any]) -> Any:
-    """A freshly initialized ``WanTransformer3DModel`` from a config dict (keys as in its ``__init__``)."""
+    """A freshly initialized ``WanTransformer3DModel`` from a config dict (keys as in its ``__init__``), with the
+    absolute-position table when the config has ``POSITION_KEY``."""
     from diffusers import WanTransformer3DModel
 
     kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
     kwargs["patch_size"] = tuple(kwargs["patch_size"])
-    return WanTransformer3DModel(**kwargs)
+    transformer = WanTransformer3DModel(**kwargs)
+    grid = config.get(POSITION_KEY)
+    if grid:
+        if len(grid) != 3:
+            raise ValueError(f"{POSITION_KEY} must be a (frames, height, width) token grid, got {grid!r}")
+        attach_position_table(transformer, (int(grid[0]), int(grid[1]), int(grid[2])))
+    return transformer
 
 
 def make_scheduler() -> Any:

@@ -3,11 +3,19 @@
 Training pairs: a random attribute combination, a random caption for it from a pre-encoded pool
 (``TRAIN_TEMPLATES``), and a fresh random placement rendered by the world. Evaluation uses held-out prompts
 (``EVAL_TEMPLATES``) and fixed noise seeds, sampled with the scheduler the engine uses, read by the checker.
+
+Auxiliary attribute loss (training only). Direction changes no clip-wide statistic: a left- and a right-moving
+shape have the same colors and areas, only *where* things are in which frame differs. So the flow-matching loss
+gives the text's direction word no first-order gradient: nothing pulls the direction into the token stream until
+some later layer already combines it with position, and nothing builds that combination until the direction is
+there (measured: after 400 steps of training at σ ≈ 1 with a fixed placement, swapping "left" for "right" changed
+the prediction by 1e-4, a color swap by 0.1). Linear heads that read every attribute from the mean token after
+block ``aux_block`` break that circle: cross-attention must carry each attribute into every token early. The heads
+are thrown away; the saved model is the plain transformer.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import shutil
@@ -25,6 +33,7 @@ from workers.toy import checker, world
 from workers.toy.model import (
     CONFIG_FILE,
     DEFAULT_TRANSFORMER_CONFIG,
+    POSITION_PARAM,
     SCHEDULER_CONFIG,
     WEIGHTS_DIR,
     WEIGHTS_FILE,
@@ -75,6 +84,12 @@ class TrainConfig:
     # Start from these weights (a directory with config.json + model.safetensors) instead of a fresh init; the
     # transformer config is then the one stored there.
     init_from: str | None = None
+    # Weight of the auxiliary attribute loss (module docstring); 0 = off.
+    aux_weight: float = 0.3
+    # Block whose output the attribute heads read (mean over tokens); the last one if the model has fewer.
+    aux_block: int = 1
+    # Share of training σ drawn uniformly from [0.9, 1], where the prompt is all the model has to go on.
+    high_sigma: float = 0.0
     transformer: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_TRANSFORMER_CONFIG))
 
 
@@ -192,7 +207,8 @@ class CaptionPool:
         size: int,
         dropout: float,
         mids: list[tuple[int, int]] | None = None,
-    ) -> tuple[np.ndarray, torch.Tensor, list[world.Attributes]]:
+    ) -> tuple[np.ndarray, torch.Tensor, list[world.Attributes], torch.Tensor]:
+        """Clips, caption embeddings (the empty prompt where dropped), attributes, and which captions were kept."""
         combo_idx = rng.integers(0, len(self.combos), size=size)
         caption_idx = combo_idx * self.per_combo + rng.integers(0, self.per_combo, size=size)
         attrs = [self.combos[int(i)] for i in combo_idx]
@@ -204,7 +220,7 @@ class CaptionPool:
         emb = self.embeddings[torch.from_numpy(caption_idx)].float()
         drop = torch.from_numpy(rng.random(size) < dropout)
         emb[drop] = self.empty[0]
-        return clips, emb, attrs
+        return clips, emb, attrs, ~drop
 
 
 def init_weights(transformer: Any, mode: str) -> None:
@@ -217,6 +233,10 @@ def init_weights(transformer: Any, mode: str) -> None:
     if mode != "zero":
         raise ValueError(f"unknown init {mode!r}")
     with torch.no_grad():
+        table = getattr(transformer.patch_embedding, POSITION_PARAM, None)
+        if table is not None:
+            # Small random positions, so the blocks can tell tokens apart from the first step.
+            table.normal_(std=0.02)
         for module in (transformer.proj_out, transformer.condition_embedder.time_proj):
             module.weight.zero_()
             module.bias.zero_()
@@ -245,7 +265,38 @@ def sample_sigmas(rng: torch.Generator, size: int, cfg: TrainConfig) -> torch.Te
     sigmas = torch.sigmoid(logit)
     uniform = torch.rand(size, generator=rng)
     use_uniform = torch.rand(size, generator=rng) < cfg.t_uniform
-    return torch.where(use_uniform, uniform, sigmas).clamp(1e-4, 1.0)
+    sigmas = torch.where(use_uniform, uniform, sigmas)
+    if cfg.high_sigma > 0:
+        high = 0.9 + 0.1 * torch.rand(size, generator=rng)
+        sigmas = torch.where(torch.rand(size, generator=rng) < cfg.high_sigma, high, sigmas)
+    return sigmas.clamp(1e-4, 1.0)
+
+
+ATTRIBUTE_VALUES: dict[str, tuple[str, ...]] = {
+    "color": tuple(world.FG_COLORS),
+    "shape": world.SHAPES,
+    "direction": world.DIRECTIONS,
+    "background": tuple(world.BG_COLORS),
+}
+
+
+class AttributeHeads(torch.nn.Module):
+    """One linear classifier per attribute on a ``(B, D)`` pooled hidden state (the auxiliary loss)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.heads = torch.nn.ModuleDict(
+            {name: torch.nn.Linear(width, len(values)) for name, values in ATTRIBUTE_VALUES.items()}
+        )
+
+    def loss(self, pooled: torch.Tensor, attributes: Sequence[world.Attributes]) -> torch.Tensor:
+        """Sum over attributes of the cross-entropy of reading each attribute from ``pooled``."""
+        total = pooled.new_zeros(())
+        for name, head in self.heads.items():
+            values = ATTRIBUTE_VALUES[name]
+            target = torch.tensor([values.index(a.as_dict()[name]) for a in attributes], device=pooled.device)
+            total = total + torch.nn.functional.cross_entropy(head(pooled), target)
+        return total
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -319,9 +370,25 @@ def train(
         transformer = build_transformer(cfg.transformer)
         init_weights(transformer, cfg.init)
     transformer.train()
-    ema = copy.deepcopy(transformer).eval().requires_grad_(False)
+    # A second build rather than a deepcopy: the position table's hook must belong to the copy.
+    ema = build_transformer(cfg.transformer)
+    ema.load_state_dict(transformer.state_dict())
+    ema.eval().requires_grad_(False)
+    heads = AttributeHeads(int(transformer.patch_embedding.out_channels))
+    captured: dict[str, torch.Tensor] = {}
+    if cfg.aux_weight > 0:
+        if cfg.aux_block < 0:
+            raise ValueError(f"aux_block must be ≥ 0, got {cfg.aux_block}")
+        # A model with fewer blocks is read after its last one.
+        aux_block = min(cfg.aux_block, len(transformer.blocks) - 1)
+        transformer.blocks[aux_block].register_forward_hook(
+            lambda _module, _args, output: captured.__setitem__("hidden", output)
+        )
     optimizer = torch.optim.AdamW(
-        transformer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99)
+        [*transformer.parameters(), *heads.parameters()],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(0.9, 0.99),
     )
     rng = np.random.default_rng(cfg.seed)
     trng = torch.Generator().manual_seed(cfg.seed)
@@ -340,6 +407,7 @@ def train(
         state = torch.load(checkpoint_path, weights_only=False)
         transformer.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
+        heads.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
         rng = state["rng"]
         trng.set_state(state["trng"])
@@ -353,6 +421,7 @@ def train(
     model_params = list(transformer.parameters())
     t_start = time.time() - float(log["wall_s"])
     running: list[float] = []
+    aux_running: list[float] = []
 
     def checkpoint(step: int) -> None:
         log["wall_s"] = time.time() - t_start
@@ -363,6 +432,7 @@ def train(
             {
                 "model": transformer.state_dict(),
                 "ema": ema.state_dict(),
+                "heads": heads.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "rng": rng,
                 "trng": trng.get_state(),
@@ -384,7 +454,7 @@ def train(
         shape = (cfg.batch_size, *latent_shape(world.NUM_FRAMES, world.HEIGHT, world.WIDTH))
         noise = torch.randn(shape, generator=trng)
         mids = coupled_mids(noise) if cfg.coupling else None
-        clips, emb, _ = pool.batch(rng, cfg.batch_size, cfg.caption_dropout, mids)
+        clips, emb, attrs, kept = pool.batch(rng, cfg.batch_size, cfg.caption_dropout, mids)
         x0 = clips_to_latents(clips)
         sigma = sample_sigmas(trng, cfg.batch_size, cfg)
         s = sigma.view(-1, 1, 1, 1, 1)
@@ -395,8 +465,15 @@ def train(
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             pred = transformer(xt, sigma * 1000.0, emb, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred.float(), target)
+        total = loss
+        if cfg.aux_weight > 0 and kept.any():
+            # Only captioned samples: a dropped caption says nothing about the attributes.
+            pooled = captured["hidden"].float().mean(dim=1)[kept]
+            aux = heads.loss(pooled, [a for a, k in zip(attrs, kept.tolist(), strict=True) if k])
+            aux_running.append(float(aux.detach()))
+            total = loss + cfg.aux_weight * aux
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model_params, cfg.grad_clip)
         optimizer.step()
         decay = min(cfg.ema_decay, (1 + step) / (10 + step))
@@ -406,6 +483,9 @@ def train(
         if len(running) == cfg.log_interval or step + 1 == cfg.steps:
             log["loss"].append([step + 1, float(np.mean(running))])
             running = []
+            if aux_running:
+                log.setdefault("aux_loss", []).append([step + 1, float(np.mean(aux_running))])
+                aux_running = []
             status = {"step": step + 1, "steps": cfg.steps, "loss": log["loss"][-1][1]}
             status["wall_s"] = round(time.time() - t_start, 1)
             (out_dir / "progress.json").write_text(json.dumps(status) + "\n")

@@ -83,3 +83,50 @@ def test_fine_tuning_starts_from_the_given_weights(tmp_path) -> None:
     tuned = model.load_transformer(tmp_path / "run")
     for (name, a), b in zip(t.state_dict().items(), tuned.state_dict().values(), strict=True):
         assert torch.equal(a.float(), b.float()), name
+
+
+def test_high_sigma_share_lands_in_the_top_decile() -> None:
+    gen = torch.Generator().manual_seed(0)
+    all_high = train.sample_sigmas(gen, 5_000, train.TrainConfig(high_sigma=1.0))
+    assert float(all_high.min()) >= 0.9 and float(all_high.max()) <= 1.0
+    base = train.sample_sigmas(gen, 20_000, train.TrainConfig(high_sigma=0.0))
+    half = train.sample_sigmas(gen, 20_000, train.TrainConfig(high_sigma=0.5))
+    base_share = float((base >= 0.9).float().mean())
+    assert abs(float((half >= 0.9).float().mean()) - (0.5 + 0.5 * base_share)) < 0.02
+
+
+def test_attribute_heads_score_each_attribute_against_its_own_value() -> None:
+    heads = train.AttributeHeads(width=8)
+    attrs = [
+        world.Attributes("red", "circle", "left", "black"),
+        world.Attributes("blue", "square", "up", "gray"),
+    ]
+    pooled = torch.randn(2, 8)
+    # Zeroed heads guess uniformly (the loss is the sum of log(#values)); trained ones read every value right.
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.zero_()
+    uniform = float(heads.loss(pooled, attrs).detach())
+    expected = sum(np.log(len(v)) for v in train.ATTRIBUTE_VALUES.values())
+    assert abs(uniform - expected) < 1e-5
+    optimizer = torch.optim.Adam(heads.parameters(), lr=0.1)
+    for _ in range(100):
+        optimizer.zero_grad()
+        heads.loss(pooled, attrs).backward()
+        optimizer.step()
+    assert float(heads.loss(pooled, attrs).detach()) < 0.05
+
+
+def test_training_with_the_auxiliary_loss_logs_it_and_saves_a_plain_model(tmp_path) -> None:
+    cfg = dict(model.DEFAULT_TRANSFORMER_CONFIG, num_layers=2, num_attention_heads=2, attention_head_dim=12)
+    cfg["ffn_dim"] = 32
+    run = train.TrainConfig(
+        steps=4, batch_size=4, captions_per_combo=1, eval_interval=0, eval_prompts=1, eval_steps=(1,),
+        log_interval=2, caption_dropout=0.0, aux_weight=1.0, aux_block=5, transformer=cfg,
+    )  # fmt: skip
+    log = train.train(run, tmp_path)
+    assert [step for step, _ in log["aux_loss"]] == [2, 4]
+    assert all(np.isfinite(v) and v > 0 for _, v in log["aux_loss"])
+    saved = model.load_transformer(tmp_path)
+    # Only the transformer (with its position table) is saved: the heads are training-only.
+    assert set(saved.state_dict()) == set(model.build_transformer(cfg).state_dict())
