@@ -25,8 +25,8 @@ def test_coupled_position_is_in_range_and_follows_the_noise() -> None:
     assert len(set(xs)) == hi - lo + 1  # every position is used
     # Adding a bright blob to the noise moves the chosen position onto it.
     bumped = noise[:1].clone()
-    bumped[..., 14 - 7 : 14 + 8, 18 - 7 : 18 + 8] += 3.0
-    assert train.coupled_mids(bumped) == [(18, 14)]
+    bumped[..., 14 - 7 : 14 + 8, 17 - 7 : 17 + 8] += 3.0
+    assert train.coupled_mids(bumped) == [(17, 14)]
 
 
 def test_sigmas_in_range_and_noisy_on_average() -> None:
