@@ -53,8 +53,8 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 @dataclass
 class TrainConfig:
-    steps: int = 9000
-    batch_size: int = 32
+    steps: int = 6000
+    batch_size: int = 16
     lr: float = 2e-3
     warmup_steps: int = 200
     min_lr_ratio: float = 0.05
