@@ -83,7 +83,10 @@ CATALOG: dict[str, ModelSpec] = {
             default_height=32,
             default_width=32,
             default_num_steps=4,
-            default_guidance_scale=1.0,
+            # Trained with caption dropout for classifier-free guidance. All-attribute accuracy of the committed
+            # weights on 256 held-out prompts at 4 steps: g=1.5 95%, 2 96%, 2.5 96%, 3 94%, 4 85%; at 50 steps
+            # (128 prompts) g=2 100%, g=3 99%.
+            default_guidance_scale=2.0,
             scheduler="flow-euler-shift1",
         ),
         ModelSpec(

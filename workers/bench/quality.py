@@ -37,7 +37,6 @@ JSON report (stdout with ``--json``, and ``--out``)::
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 from pathlib import Path
@@ -74,21 +73,12 @@ def _names(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
     return values
 
 
-def resolve_guidance(weights_dir: Path, explicit: float | None) -> tuple[float, str]:
-    """The guidance scale: explicit, else the one the weights were evaluated with (``train_config.json``'s
-    ``eval_guidance``, the model card), else the toy catalog default."""
+def resolve_guidance(explicit: float | None) -> tuple[float, str]:
+    """The guidance scale: explicit, else the toy catalog default, i.e. what a served toy request gets."""
     from producer.catalog import CATALOG
 
     if explicit is not None:
         return explicit, "--guidance"
-    card = weights_dir / "train_config.json"
-    if card.exists():
-        try:
-            value = json.loads(card.read_text()).get("eval_guidance")
-        except (OSError, json.JSONDecodeError):
-            value = None
-        if isinstance(value, int | float):
-            return float(value), f"{card} eval_guidance"
     return CATALOG["toy"].default_guidance_scale, "toy catalog default"
 
 
@@ -136,7 +126,7 @@ def bench_quality(
         help="Donor pair classes.",
     ),
     guidance: float | None = typer.Option(
-        None, help="Guidance scale (default: the weights' train_config eval_guidance, else the catalog's)."
+        None, help="Guidance scale (default: the toy catalog's, what served requests get)."
     ),
     ablation_alphas: str = typer.Option(
         "1,2,4", help="TGAA α values of the fixed probe plan (k1=N/4, k2=N/2)."
@@ -211,7 +201,7 @@ def bench_quality(
         why = CATALOG["toy"].num_steps.check(n)
         if why is not None:
             raise typer.BadParameter(f"--steps {n}: {why}")
-    g, g_source = resolve_guidance(wdir, guidance)
+    g, g_source = resolve_guidance(guidance)
     cache_settings = tuple(
         CacheDiTSettings(
             fn_compute_blocks=cachedit_fn,
