@@ -7,8 +7,9 @@ least ``min_similarity`` and at most ``max_content_changes`` word slots differ o
 are left out. Stage lengths are fractions of N: ``k1`` (Stage 1, reuse the donor's latent) and ``k2`` (Stage
 2, recompute only divergent tokens), rounded down; Stage 3 gets the rest, always at least one step.
 
-``chorus bench quality`` measures the rows on the trained toy model and writes the table with
-``write_calibration``; until then the shipped table is provisional and conservative (see its ``note``).
+The shipped table is measured: ``chorus bench quality --calibrate`` on the trained toy model wrote it with
+``write_calibration`` (its ``source`` is the command, each row's ``measured`` what it was accepted on). A table
+marked ``provisional`` (hand-written, not measured) still loads, with a warning.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@
    ``paraphrase``. The planner takes the first row that admits a pair, so each pair is *routed* to one row by the
    very rule the planner applies, and every row is calibrated on all the pairs it admits — e.g. the paraphrase
    row also sees the ``reworded-one-attribute`` pairs it cannot tell from paraphrases.
+   **Negative pairs bound the rows** (``bound_rows``): changes no class measures (three or four attributes,
+   or two to four in other words; ``pairs.NEGATIVE_CLASSES``) must not be reused on a measurement of something
+   else. A row that negatives would reach (those no earlier row takes) gets its ``min_similarity`` raised above
+   the most similar of them. A row left with fewer than ``min_pairs`` measured pairs is dropped — too few to
+   calibrate — and its pairs fall through to later rows or to no reuse.
 2. **Candidates.** Per regime (a calibrated step count N), candidate plans: k1, k2 in steps; α and mask
    threshold when k2 > 0 (``default_grid``).
 3. **Paired acceptance.** A candidate passes a row when its all-attribute accuracy on the row's pairs is at least
@@ -27,8 +32,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chorus_sched.planner import CalibrationRow, CalibrationTable, Regime
@@ -37,6 +43,7 @@ from workers.bench.pairs import Pair
 
 EMBEDDER = "all-minilm-l6-v2"
 BLOCKER = "unmeasured-small-change"
+MIN_ROW_PAIRS = 8
 DEFAULT_IGNORABLE = (
     "a", "an", "the", "on", "in", "over", "across", "with", "and", "of", "to", "at", "its", "is", "are",
     "toward", "towards", "against", "into", "onto", "along", "through", "while", "that", "which", "there",
@@ -49,6 +56,7 @@ class RowSpec:
     min_similarity: float
     max_content_changes: int
     classes: tuple[str, ...]  # the pair classes the row was drawn from (empty for the blocker)
+    negatives_max_similarity: float | None = None  # the most similar negative that reached the row, if any
 
     @property
     def calibrated(self) -> bool:
@@ -71,8 +79,8 @@ def floor2(x: float) -> float:
     return math.floor(x * 100 + 1e-9) / 100
 
 
-def derive_rows(facts: Sequence[PairFacts]) -> list[RowSpec]:
-    """Planner rows covering the measured classes (see the module docstring)."""
+def class_rows(facts: Sequence[PairFacts]) -> list[RowSpec]:
+    """One row per measured class, admitting everything measured in it, before any bound."""
     by_class: dict[str, list[PairFacts]] = {}
     for f in facts:
         by_class.setdefault(f.pair.pair_class, []).append(f)
@@ -94,6 +102,52 @@ def derive_rows(facts: Sequence[PairFacts]) -> list[RowSpec]:
     add("paraphrase", "paraphrase")
     # a paraphrase row no wider than the blocker would never apply
     return [r for r in rows if not (r.name == "paraphrase" and r.max_content_changes <= 3)]
+
+
+def above(x: float) -> float:
+    """The smallest multiple of 0.01 strictly above ``x``."""
+    return round(math.floor(x * 100 + 1e-9) / 100 + 0.01, 2)
+
+
+def bound_rows(rows: Sequence[RowSpec], negatives: Sequence[PairFacts]) -> list[RowSpec]:
+    """Each reusing row with its ``min_similarity`` raised above every negative pair that reaches it (admitted
+    by it and by no earlier row, earlier rows already bounded). The blocker is left as it is: it never reuses."""
+    out: list[RowSpec] = []
+    for row in rows:
+        if row.calibrated:
+            reaching = [
+                f.similarity
+                for f in negatives
+                if route(out, f.similarity, f.content_changes) is None
+                and row.admits(f.similarity, f.content_changes)
+            ]
+            if reaching:
+                worst = max(reaching)
+                row = replace(
+                    row,
+                    min_similarity=max(row.min_similarity, above(worst)),
+                    negatives_max_similarity=round(worst, 4),
+                )
+        out.append(row)
+    return out
+
+
+def derive_rows(
+    facts: Sequence[PairFacts], negatives: Sequence[PairFacts] = (), min_pairs: int = MIN_ROW_PAIRS
+) -> list[RowSpec]:
+    """Planner rows covering the measured classes, bounded by the negatives, each admitting at least
+    ``min_pairs`` measured pairs (see the module docstring)."""
+    kept = class_rows(facts)
+    while True:
+        rows = bound_rows(kept, negatives)
+        counts = Counter(
+            r.name for r in (route(rows, f.similarity, f.content_changes) for f in facts) if r is not None
+        )
+        thin = next((r for r in rows if r.calibrated and counts[r.name] < min_pairs), None)
+        if thin is None:
+            return rows
+        # dropping one row changes what reaches the rows below it, so bound again from scratch
+        kept = [r for r in kept if r.name != thin.name]
 
 
 def route(rows: Sequence[RowSpec], similarity: float, changes: int) -> RowSpec | None:

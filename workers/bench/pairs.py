@@ -11,6 +11,10 @@ more noise seeds. Every target gets one donor per *pair class*:
 - ``reworded-one-attribute``: another template *and* one attribute changed — the case a loose paraphrase rule
   must not admit; it is measured so that the planner's paraphrase row is calibrated on what it would really see.
 
+*Negative* pairs (``make_negative_pairs``, ``NEGATIVE_CLASSES``) are the changes no class measures: three or four
+attributes in the same words, or two to four in another template. They are only embedded, never generated: the
+calibration keeps every reusing row's admission rule above them (``calibrate.bound_rows``).
+
 Donors always use another noise seed than their target (``DONOR_SEED_OFFSET``), as another user's request would.
 Captions keep their filled-in template fields, so a donor differs from its target in exactly the words intended.
 """
@@ -36,9 +40,20 @@ DONOR_SEED_OFFSET = 500_000
 # Target noise seeds: the benchmark's evaluation set and the calibration set never share one.
 EVAL_SEED_BASE = 2_000_000
 CALIBRATION_SEED_BASE = 3_000_000
-# Which random streams draw the two sets' captions.
+# Which random streams draw the sets' captions.
 EVAL_SET_SEED = 0
 CALIBRATION_SET_SEED = 1
+NEGATIVE_SET_SEED = 2
+NEGATIVE_SEED_BASE = 4_000_000
+# (class, attributes changed, reworded): what no measured class covers.
+_NEGATIVES: tuple[tuple[str, int, bool], ...] = (
+    ("three-attributes", 3, False),
+    ("four-attributes", 4, False),
+    ("reworded-two-attributes", 2, True),
+    ("reworded-three-attributes", 3, True),
+    ("reworded-four-attributes", 4, True),
+)
+NEGATIVE_CLASSES: tuple[str, ...] = tuple(name for name, _, _ in _NEGATIVES)
 
 _ATTR_VALUES: dict[str, tuple[str, ...]] = {
     "color": tuple(world.FG_COLORS),
@@ -207,4 +222,19 @@ def make_pairs(
             else:
                 moved, changed = change_attributes(t.caption, [first], rng)
                 pairs.append(Pair(cls, t, reword(t.caption, rng, moved.attributes), donor_seed, changed))
+    return pairs
+
+
+def make_negative_pairs(targets: Sequence[Target], *, seed: int = 0) -> list[Pair]:
+    """One donor per target and negative class (the attributes changed rotate over the targets).
+    Deterministic in (targets, seed)."""
+    names = list(_ATTR_VALUES)
+    pairs: list[Pair] = []
+    for number, (cls, count, reworded) in enumerate(_NEGATIVES):
+        rng = np.random.default_rng([seed, len(PAIR_CLASSES) + number])
+        for t in targets:
+            chosen = [names[(t.index + j) % len(names)] for j in range(count)]
+            moved, changed = change_attributes(t.caption, chosen, rng)
+            donor = reword(t.caption, rng, moved.attributes) if reworded else moved
+            pairs.append(Pair(cls, t, donor, t.seed + DONOR_SEED_OFFSET, changed))
     return pairs

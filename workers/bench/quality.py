@@ -46,6 +46,7 @@ import typer
 
 # --quick: 2 prompts × 1 seed, 2 steps, 2 calibration prompts, probe α 1 and 2, 2 prompts on the contact sheet
 QUICK_PROMPTS, QUICK_STEPS, QUICK_CALIBRATION_PROMPTS, QUICK_ALPHAS, QUICK_SHEET_PROMPTS = 2, "2", 2, "1,2", 2
+QUICK_NEGATIVE_PROMPTS, QUICK_MIN_ROW_PAIRS = 8, 1
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -154,6 +155,15 @@ def bench_quality(
         64, min=1, help="Calibration-set prompts (apart from the evaluation set)."
     ),
     calibration_seeds: int = typer.Option(1, min=1, help="Calibration-set noise seeds per prompt."),
+    negative_prompts: int = typer.Option(
+        256,
+        min=0,
+        help="Captions whose unmeasured changes (3-4 attributes, or 2-4 reworded) bound the calibrated rows' "
+        "similarity; only embedded, never generated.",
+    ),
+    min_row_pairs: int = typer.Option(
+        8, min=1, help="Fewest measured calibration pairs a reusing row must admit to be kept."
+    ),
     tolerance: float = typer.Option(
         0.01, min=0.0, max=1.0, help="Accepted all-attribute accuracy loss (0.01 = 1 point)."
     ),
@@ -183,6 +193,7 @@ def bench_quality(
         prompts, seeds, steps = QUICK_PROMPTS, 1, QUICK_STEPS
         calibration_prompts, ablation_alphas = QUICK_CALIBRATION_PROMPTS, QUICK_ALPHAS
         sheet_prompts = min(sheet_prompts, QUICK_SHEET_PROMPTS)
+        negative_prompts, min_row_pairs = min(negative_prompts, QUICK_NEGATIVE_PROMPTS), QUICK_MIN_ROW_PAIRS
     torch.set_num_threads(threads)
     step_list = _ints(steps, "--steps")
     row_list = _names(rows, suite.ROW_KINDS, "--rows")
@@ -235,6 +246,8 @@ def bench_quality(
         "calibrate": calibrate,
         "calibration_prompts": calibration_prompts,
         "calibration_seeds": calibration_seeds,
+        "negative_prompts": negative_prompts,
+        "min_row_pairs": min_row_pairs,
         "tolerance": tolerance,
         "quick": quick,
         "threads": threads,
@@ -264,6 +277,8 @@ def bench_quality(
         calibration_out=cal_out,
         calibration_prompts=calibration_prompts,
         calibration_seeds=calibration_seeds,
+        negative_prompts=negative_prompts,
+        min_row_pairs=min_row_pairs,
         tolerance=tolerance,
         out_dir=out_dir,
         sheet_prompts=sheet_prompts,

@@ -42,10 +42,14 @@ from workers.bench.contact import SheetGroup, SheetRow, write_sheet
 from workers.bench.pairs import (
     CALIBRATION_SEED_BASE,
     CALIBRATION_SET_SEED,
+    NEGATIVE_CLASSES,
+    NEGATIVE_SEED_BASE,
+    NEGATIVE_SET_SEED,
     PAIR_CLASSES,
     Pair,
     Target,
     eval_targets,
+    make_negative_pairs,
     make_pairs,
 )
 from workers.bench.runner import Outcome, Row, Runner, plan_dict, plan_label
@@ -81,6 +85,8 @@ class BenchConfig:
     calibration_out: Path | None = None
     calibration_prompts: int = 64
     calibration_seeds: int = 1
+    negative_prompts: int = 256
+    min_row_pairs: int = cal.MIN_ROW_PAIRS
     tolerance: float = 0.01
     grid: Callable[[int], tuple[list[float], list[float], list[float], list[float]]] = cal.default_grid
     out_dir: Path = Path("out/bench-quality")
@@ -229,14 +235,27 @@ class Suite:
             set_seed=CALIBRATION_SET_SEED,
             seed_base=CALIBRATION_SEED_BASE,
         )
-        infos = pair_facts(make_pairs(targets, cfg.classes, seed=1), ignorable)
-        specs = cal.derive_rows(
-            [
-                cal.PairFacts(i.pair, i.similarity, i.changes)
-                for i in infos
-                if i.pair.pair_class in cfg.classes
-            ]
+        negative_targets = (
+            eval_targets(cfg.negative_prompts, set_seed=NEGATIVE_SET_SEED, seed_base=NEGATIVE_SEED_BASE)
+            if cfg.negative_prompts
+            else []
         )
+        everything = pair_facts(
+            make_pairs(targets, cfg.classes, seed=1) + make_negative_pairs(negative_targets, seed=2),
+            ignorable,
+        )
+        infos = [i for i in everything if i.pair.pair_class in cfg.classes]
+        negatives = [i for i in everything if i.pair.pair_class in NEGATIVE_CLASSES]
+        specs = cal.derive_rows(
+            [cal.PairFacts(i.pair, i.similarity, i.changes) for i in infos],
+            [cal.PairFacts(i.pair, i.similarity, i.changes) for i in negatives],
+            cfg.min_row_pairs,
+        )
+        dropped = [
+            s.name
+            for s in cal.class_rows([cal.PairFacts(i.pair, i.similarity, i.changes) for i in infos])
+            if s.name not in {k.name for k in specs}
+        ]
         routed: dict[str, list[PairInfo]] = {s.name: [] for s in specs}
         for info in infos:
             spec = cal.route(specs, info.similarity, info.changes)
@@ -256,11 +275,28 @@ class Suite:
                     "min_similarity": s.min_similarity,
                     "max_content_changes": s.max_content_changes,
                     "drawn_from": list(s.classes),
+                    "negatives_max_similarity": s.negatives_max_similarity,
                     "routed_pairs": dict(Counter(i.pair.pair_class for i in routed[s.name])),
+                    "routed_negatives": dict(
+                        Counter(
+                            i.pair.pair_class
+                            for i in negatives
+                            if (r := cal.route(specs, i.similarity, i.changes)) is not None
+                            and r.name == s.name
+                        )
+                    ),
                 }
                 for s in specs
             ],
+            "min_row_pairs": cfg.min_row_pairs,
+            "dropped_rows": dropped,
+            "negative_set": {
+                "prompts": cfg.negative_prompts,
+                "set_seed": NEGATIVE_SET_SEED,
+                "classes": list(NEGATIVE_CLASSES),
+            },
             "pair_classes": class_report(infos, None, []),
+            "negative_classes": class_report(negatives, None, []) if negatives else {},
             "regimes": [],
         }
         regimes: list[tuple[str, int, list[Any]]] = []
@@ -346,7 +382,10 @@ class Suite:
             f"{'+'.join(cfg.judge)}): per regime, each row is the most reuse whose all-attribute accuracy on the calibration pairs the row admits stays within "
             f"{cfg.tolerance * 100:g} point(s) of no reuse on the same targets and seeds (k1 = k2 = 0: nothing "
             f"passed). Rows are drawn from the measured pair classes; '{cal.BLOCKER}' never reuses (changes below the "
-            "measured similarities, or 3 content words, were not measured). See workers/bench/calibrate.py."
+            "measured similarities, or 3 content words, were not measured); each reusing row admits only "
+            f"similarities above every unmeasured change (3-4 attributes, or 2-4 reworded; {cfg.negative_prompts} "
+            f"captions) that would reach it, and rows left with under {cfg.min_row_pairs} measured pairs are "
+            f"dropped{' (here: ' + ', '.join(dropped) + ')' if dropped else ''}. See workers/bench/calibrate.py."
         )
         table = cal.build_table(regimes, cfg.command, note, ignorable)
         return table, report

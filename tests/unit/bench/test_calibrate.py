@@ -3,16 +3,20 @@ the most reuse within tolerance wins, and the planner reproduces the chosen plan
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from chorus_sched.embedding import token_diff
+from chorus_sched.embedding import MiniLMEmbedder, token_diff
 from chorus_sched.planner import Planner, load_calibration, write_calibration
 from producer.contract import ReusePlan
 from workers.bench import calibrate as cal
 from workers.bench.pairs import eval_targets, make_pairs
+from workers.toy import world
 
 SIMILARITY = {
     "same-prompt": 1.0,
@@ -56,6 +60,54 @@ def test_rows_cover_the_measured_classes_in_planner_order() -> None:
             assert routed.name in ("paraphrase", cal.BLOCKER)
     # a one-word change below the measured similarities is not reused by a wider row
     assert cal.route(rows, 0.3, 1) is rows[3]
+
+
+def _negative(similarity: float, changes: int) -> cal.PairFacts:
+    pair = make_pairs(eval_targets(1), ["paraphrase"])[0]
+    return cal.PairFacts(pair, similarity, changes)
+
+
+def test_negatives_raise_the_row_they_reach_above_them() -> None:
+    facts = _facts()
+    # 3 changes: the blocker takes it and bounds nothing; 5 changes at 0.585 reaches the paraphrase row
+    negatives = [_negative(0.95, 3), _negative(0.585, 5), _negative(0.2, 5)]
+    rows = cal.derive_rows(facts, negatives)
+    para = rows[-1]
+    assert (
+        para.name == "paraphrase" and para.min_similarity == 0.59 and para.negatives_max_similarity == 0.585
+    )
+    assert [r.negatives_max_similarity for r in rows[:-1]] == [None] * 4
+    assert cal.route(rows, 0.585, 5) is None and cal.route(rows, 0.59, 5) is para
+    assert cal.above(0.58) == 0.59 and cal.above(0.5801) == 0.59
+
+
+def test_a_row_negatives_leave_too_few_pairs_is_dropped_and_bounding_starts_again() -> None:
+    facts = _facts()
+    # one content change at 0.95, above every one-attribute pair: the one-attribute row is bounded to 0.96 and
+    # keeps no pair; once it is gone the same negative reaches the two-attribute row, which goes the same way
+    rows = cal.derive_rows(facts, [_negative(0.95, 1)])
+    assert [r.name for r in rows] == ["same-prompt", cal.BLOCKER, "paraphrase"]
+    one = next(f for f in facts if f.pair.pair_class == "one-attribute")
+    assert cal.route(rows, one.similarity, one.content_changes) is rows[1]  # refused, not reused
+    # above every paraphrase: no reusing row is left for reworded prompts
+    rows = cal.derive_rows(facts, [_negative(0.61, 6)])
+    assert [r.name for r in rows] == ["same-prompt", "one-attribute", "two-attributes", cal.BLOCKER]
+
+
+def test_rows_admitting_fewer_than_min_pairs_are_dropped() -> None:
+    facts = _facts()
+    assert [r.name for r in cal.derive_rows(facts, min_pairs=12)] == [
+        "same-prompt",
+        "one-attribute",
+        "two-attributes",
+        cal.BLOCKER,
+        "paraphrase",
+    ]
+    # 12 pairs per class: once the same-prompt row is gone its pairs fall to the one-attribute row, which then
+    # admits 24 and stays; two-attribute pairs fall to the blocker, and the paraphrase row admits only its 12
+    rows = cal.derive_rows(facts, min_pairs=13)
+    assert [r.name for r in rows] == ["one-attribute", cal.BLOCKER]
+    assert cal.route(rows, 1.0, 0) is rows[0]
 
 
 def test_fractions_round_trip_through_the_planner_floor() -> None:
@@ -170,3 +222,20 @@ def test_regime_bounds() -> None:
     assert cal.regime_bounds([2]) == [("few-step", 2, 1000)]
     with pytest.raises(ValueError):
         cal.regime_bounds([4, 6])
+
+
+def test_the_shipped_table_reuses_no_held_out_pair_that_changes_three_or_more_attributes() -> None:
+    # Every pair of held-out prompts (a caption stream apart from the calibration's negatives), planned the way
+    # the scheduler plans: MiniLM similarity and the word diff. Only one- and two-attribute changes were measured.
+    prompts = world.eval_prompts(150, seed=5)
+    vectors = np.asarray(MiniLMEmbedder().embed([p for p, _ in prompts]), dtype=np.float64)
+    planner = Planner(load_calibration())
+    reused: Counter[int] = Counter()
+    for a, b in itertools.combinations(range(len(prompts)), 2):
+        (target, ta), (donor, tb) = prompts[a], prompts[b]
+        changed = sum(x != y for x, y in zip(ta.as_dict().values(), tb.as_dict().values(), strict=True))
+        choice = planner.plan(float(vectors[a] @ vectors[b]), token_diff(donor, target), 4)
+        if choice.reuses:
+            reused[changed] += 1
+            assert changed <= 2, (target, donor, choice.reason)
+    assert reused[1] > 0 and reused[2] > 0  # the rows do apply to what they measured

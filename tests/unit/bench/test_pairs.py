@@ -6,7 +6,7 @@ from collections import Counter
 
 from chorus_sched.embedding import token_diff
 from chorus_sched.planner import load_calibration
-from workers.bench.pairs import PAIR_CLASSES, eval_targets, make_pairs
+from workers.bench.pairs import NEGATIVE_CLASSES, PAIR_CLASSES, eval_targets, make_negative_pairs, make_pairs
 from workers.toy import world
 
 IGNORABLE = frozenset(load_calibration().ignorable_words)
@@ -50,3 +50,30 @@ def test_pair_classes_differ_exactly_as_named() -> None:
     assert pairs == make_pairs(targets)
     # every attribute gets changed in the one-attribute class
     assert {p.changed[0] for p in pairs if p.pair_class == "one-attribute"} == set(world.ATTRIBUTE_NAMES)
+
+
+def test_negative_pairs_change_what_no_class_measures() -> None:
+    targets = eval_targets(16)
+    pairs = make_negative_pairs(targets, seed=3)
+    assert Counter(p.pair_class for p in pairs) == dict.fromkeys(NEGATIVE_CLASSES, 16)
+    wanted = {
+        "three-attributes": (3, False),
+        "four-attributes": (4, False),
+        "reworded-two-attributes": (2, True),
+        "reworded-three-attributes": (3, True),
+        "reworded-four-attributes": (4, True),
+    }
+    for p in pairs:
+        t = p.target
+        count, reworded = wanted[p.pair_class]
+        differ = {k for k, v in p.donor.attributes.as_dict().items() if v != t.attributes.as_dict()[k]}
+        assert differ == set(p.changed) and len(differ) == count
+        assert p.donor_seed != t.seed
+        changes = token_diff(p.donor_prompt, t.prompt).content_changes(IGNORABLE)
+        if reworded:
+            assert p.donor.template != t.caption.template and changes > count
+        else:
+            # the same words but the changed attributes': beyond the two-attribute class, within the blocker
+            assert p.donor.template == t.caption.template and changes == count
+    assert pairs == make_negative_pairs(targets, seed=3)
+    assert pairs != make_negative_pairs(targets, seed=4)
