@@ -273,6 +273,9 @@ class Scheduler:
                 in_batch.add(request.request_id)
         if not accepted:
             return self._finish(progress)
+        # A poll interleaves partitions arbitrarily; scheduling in submission order lets an earlier request lead
+        # the later similar ones, as it would have had they arrived in separate polls (stable for equal times).
+        accepted.sort(key=lambda item: item[1].submitted_at)
 
         try:
             with METRICS.phase("embed"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +246,16 @@ def test_the_scheduler_counts_requests_lookups_results_hits_and_cache(
     sampler = sm.QueueSampler(lambda: lengths)
     sampler.sample_once()
     assert REGISTRY.get_sample_value("chorus_celery_queue_length", {"queue": queue_for("toy")}) == 4
+
+
+def test_a_poll_is_scheduled_in_submission_order_not_partition_order(
+    scheduler: tuple[Scheduler, list[tuple[str, str, bytes]]],
+) -> None:
+    sched, _published = scheduler
+    first = req(request_id="first", seed=1)
+    later = req(request_id="later", seed=2, submitted_at=first.submitted_at + timedelta(seconds=1))
+    # the later request's partition is read first
+    sched.handle_requests([Msg(later.to_bytes(), 0), Msg(first.to_bytes(), 1)])
+    leader = sched.index.get("first")
+    assert leader is not None and leader.status == "running"
+    assert sched.index.get("later") is None  # a follower of "first", not a leader
