@@ -246,16 +246,19 @@ class Suite:
         )
         infos = [i for i in everything if i.pair.pair_class in cfg.classes]
         negatives = [i for i in everything if i.pair.pair_class in NEGATIVE_CLASSES]
+        facts = [cal.PairFacts(i.pair, i.similarity, i.changes) for i in infos]
         specs = cal.derive_rows(
-            [cal.PairFacts(i.pair, i.similarity, i.changes) for i in infos],
+            facts,
             [cal.PairFacts(i.pair, i.similarity, i.changes) for i in negatives],
             cfg.min_row_pairs,
         )
-        dropped = [
-            s.name
-            for s in cal.class_rows([cal.PairFacts(i.pair, i.similarity, i.changes) for i in infos])
-            if s.name not in {k.name for k in specs}
-        ]
+        kept = {s.name for s in specs}
+        dropped = [s.name for s in cal.class_rows(facts) if s.name not in kept]
+        negatives_at: dict[str, Counter[str]] = {s.name: Counter() for s in specs}
+        for info in negatives:
+            spec = cal.route(specs, info.similarity, info.changes)
+            if spec is not None:
+                negatives_at[spec.name][info.pair.pair_class] += 1
         routed: dict[str, list[PairInfo]] = {s.name: [] for s in specs}
         for info in infos:
             spec = cal.route(specs, info.similarity, info.changes)
@@ -277,14 +280,7 @@ class Suite:
                     "drawn_from": list(s.classes),
                     "negatives_max_similarity": s.negatives_max_similarity,
                     "routed_pairs": dict(Counter(i.pair.pair_class for i in routed[s.name])),
-                    "routed_negatives": dict(
-                        Counter(
-                            i.pair.pair_class
-                            for i in negatives
-                            if (r := cal.route(specs, i.similarity, i.changes)) is not None
-                            and r.name == s.name
-                        )
-                    ),
+                    "routed_negatives": dict(negatives_at[s.name]),
                 }
                 for s in specs
             ],
