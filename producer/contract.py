@@ -8,7 +8,9 @@ rule that was broken.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import re
 import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -19,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     StringConstraints,
     ValidationError,
     model_validator,
@@ -32,6 +35,17 @@ SCHEMA_VERSION: Literal[1] = 1
 # Ids travel as Kafka keys, S3 object names and Qdrant payloads: keep them to a safe alphabet.
 Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 Prompt = Annotated[str, StringConstraints(min_length=1, max_length=2000)]
+_IDENTIFIER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# Numbers on the wire are numbers: a string "4" is a producer bug to report, not a value to guess at.
+WireInt = Annotated[int, Strict()]
+WireFloat = Annotated[float, Strict()]
+
+# The largest request message read at all. The longest valid request (two 2,000-character prompts, every
+# character escaped) stays well under it; anything bigger is rejected before it is parsed.
+MAX_MESSAGE_BYTES = 64 * 1024
+# A dead letter keeps at most this much of the message it reports (the whole message stays in its topic at the
+# offset the letter names), so a huge message can always be dead-lettered within the producer's request size.
+DEAD_LETTER_RAW_BYTES = 16 * 1024
 
 
 def _new_request_id() -> str:
@@ -83,14 +97,16 @@ class GenerationRequest(_Wire):
     prompt: Prompt
     negative_prompt: Annotated[str, StringConstraints(max_length=2000)] | None = None
     model: str = "toy"
-    num_frames: int = Field(default=-1, ge=1, le=1024, validate_default=False)
-    height: int = Field(default=-1, ge=8, le=4096, validate_default=False)
-    width: int = Field(default=-1, ge=8, le=4096, validate_default=False)
-    num_steps: int = Field(default=-1, ge=1, le=1000, validate_default=False)
-    seed: int = Field(default=0, ge=0, le=2**63 - 1)
-    guidance_scale: float = Field(default=-1.0, ge=0.0, le=50.0, allow_inf_nan=False, validate_default=False)
+    num_frames: WireInt = Field(default=-1, ge=1, le=1024, validate_default=False)
+    height: WireInt = Field(default=-1, ge=8, le=4096, validate_default=False)
+    width: WireInt = Field(default=-1, ge=8, le=4096, validate_default=False)
+    num_steps: WireInt = Field(default=-1, ge=1, le=1000, validate_default=False)
+    seed: WireInt = Field(default=0, ge=0, le=2**63 - 1)
+    guidance_scale: WireFloat = Field(
+        default=-1.0, ge=0.0, le=50.0, allow_inf_nan=False, validate_default=False
+    )
     reuse: ReusePolicy = ReusePolicy.AUTO
-    priority: int = Field(default=0, ge=0, le=9)
+    priority: WireInt = Field(default=0, ge=0, le=9)
     submitted_at: AwareDatetime = Field(default_factory=_utcnow)
 
     @model_validator(mode="before")
@@ -244,10 +260,18 @@ class GenerationResult(_Wire):
 
 
 class DeadLetter(_Wire):
-    """A message the scheduler could not accept, kept whole so nothing is lost."""
+    """A message the scheduler could not accept: why, where it is, and (up to DEAD_LETTER_RAW_BYTES) what it said.
+
+    ``topic``/``partition``/``offset`` locate the whole message; ``raw_size`` and ``raw_sha256`` describe it, and
+    ``raw_truncated`` says whether ``raw_b64`` holds all of it.
+    """
 
     schema_version: Literal[1] = SCHEMA_VERSION
     raw_b64: str
+    raw_size: int = Field(default=0, ge=0)
+    raw_sha256: str = ""
+    raw_truncated: bool = False
+    tombstone: bool = False
     key_b64: str | None = None
     error: ErrorInfo
     issues: list[FieldIssue] = Field(default_factory=list)
@@ -257,14 +281,41 @@ class DeadLetter(_Wire):
     dead_lettered_at: AwareDatetime = Field(default_factory=_utcnow)
 
     @classmethod
+    def of_message(
+        cls,
+        raw: bytes | None,
+        key: bytes | None,
+        error: ErrorInfo,
+        issues: list[FieldIssue],
+        *,
+        topic: str,
+        partition: int,
+        offset: int,
+    ) -> DeadLetter:
+        body = raw or b""
+        return cls(
+            raw_b64=base64.b64encode(body[:DEAD_LETTER_RAW_BYTES]).decode(),
+            raw_size=len(body),
+            raw_sha256=hashlib.sha256(body).hexdigest(),
+            raw_truncated=len(body) > DEAD_LETTER_RAW_BYTES,
+            tombstone=raw is None,
+            key_b64=base64.b64encode(key[:DEAD_LETTER_RAW_BYTES]).decode() if key is not None else None,
+            error=error,
+            issues=issues,
+            topic=topic,
+            partition=partition,
+            offset=offset,
+        )
+
+    @classmethod
     def from_error(
         cls, raw: bytes, key: bytes | None, error: ContractError, topic: str, partition: int, offset: int
     ) -> DeadLetter:
-        return cls(
-            raw_b64=base64.b64encode(raw).decode(),
-            key_b64=base64.b64encode(key).decode() if key is not None else None,
-            error=ErrorInfo(code=error.code, message=str(error)),
-            issues=error.issues,
+        return cls.of_message(
+            raw,
+            key,
+            ErrorInfo(code=error.code, message=str(error)),
+            error.issues,
             topic=topic,
             partition=partition,
             offset=offset,
@@ -286,51 +337,109 @@ def issues_from_validation(exc: ValidationError) -> list[FieldIssue]:
     return issues
 
 
-def parse_request(raw: bytes | str) -> GenerationRequest:
-    """Parse one wire message. Raises ContractError (only) when it is not a valid request."""
+def _issue(field: str, rule: str, message: str) -> ContractError:
+    return ContractError([FieldIssue(field=field, rule=rule, message=message)])
+
+
+def _decode_json(raw: bytes | str | None) -> Any:
+    if raw is None:
+        raise _issue("<message>", "tombstone", "a message with no value (a tombstone) is not a request")
+    size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+    if size > MAX_MESSAGE_BYTES:
+        raise _issue(
+            "<message>", "size", f"{size} bytes, more than the {MAX_MESSAGE_BYTES} a request may have"
+        )
     if isinstance(raw, bytes):
         try:
-            text = raw.decode("utf-8")
+            raw = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ContractError(
-                [FieldIssue(field="<message>", rule="utf8", message=f"not UTF-8 at byte {exc.start}")]
-            ) from None
-    else:
-        text = raw
+            raise _issue("<message>", "utf8", f"not UTF-8 at byte {exc.start}") from None
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        message = (
-            f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-            if isinstance(exc, json.JSONDecodeError)
-            else "not JSON: nested too deeply"
-        )
-        raise ContractError([FieldIssue(field="<message>", rule="json", message=message)]) from None
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise _issue(
+            "<message>", "json", f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise _issue("<message>", "json", "not JSON: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise _issue("<message>", "json", f"not JSON this service reads: {str(exc)[:200]}") from None
+
+
+def parse_request(raw: bytes | str | None) -> GenerationRequest:
+    """Parse one wire message. Raises ContractError (only) when it is not a valid request."""
+    return _validate(_decode_json(raw))
+
+
+def _validate(data: Any) -> GenerationRequest:
     if not isinstance(data, dict):
-        raise ContractError(
-            [
-                FieldIssue(
-                    field="<message>",
-                    rule="object",
-                    message=f"must be a JSON object, got {type(data).__name__}",
-                )
-            ]
-        )
+        raise _issue("<message>", "object", f"must be a JSON object, got {type(data).__name__}")
     version = data.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
-        raise ContractError(
-            [
-                FieldIssue(
-                    field="schema_version",
-                    rule="schema_version",
-                    message=f"unsupported schema_version {version!r}; this service speaks {SCHEMA_VERSION}",
-                )
-            ]
+        raise _issue(
+            "schema_version",
+            "schema_version",
+            f"unsupported schema_version {version!r}; this service speaks {SCHEMA_VERSION}",
         )
     try:
         return GenerationRequest.model_validate(data)
     except ValidationError as exc:
         raise ContractError(issues_from_validation(exc)) from None
+
+
+def parse_keyed_request(raw: bytes | str | None, key: bytes | None) -> GenerationRequest:
+    """Parse a message read from the requests topic, where the sender must be able to find its result.
+
+    The contract: a request names itself by ``request_id`` and is keyed by it. A keyed message without a
+    ``request_id`` takes its key as the id (the sender knows it); a message with neither is rejected, since a
+    generated id could never be matched by whoever sent it; a key that disagrees with the id is rejected.
+    """
+    data = _decode_json(raw)
+    key_text = _key_text(key)
+    if isinstance(data, dict) and "request_id" not in data:
+        if key_text is None:
+            raise _issue(
+                "request_id", "missing", "name the request: set request_id and key the message by it"
+            )
+        data = {**data, "request_id": key_text}
+    request = _validate(data)
+    if key_text is not None and key_text != request.request_id:
+        raise _issue(
+            "<key>",
+            "key_mismatch",
+            f"the message key must be its request_id {request.request_id!r}, got {key_text!r}",
+        )
+    return request
+
+
+def _key_text(key: bytes | None) -> str | None:
+    if key is None:
+        return None
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        return key.decode("latin-1")
+
+
+def salvage_identity(data: Any) -> tuple[str | None, str]:
+    """(request id, tenant) named by a message or order that failed validation, if it still names valid ones.
+
+    One rule for every salvager: a value is used only if it is a valid Identifier; the tenant defaults.
+    """
+    if not isinstance(data, dict):
+        return None, "default"
+    rid, tenant = data.get("request_id"), data.get("tenant")
+    rid = rid if isinstance(rid, str) and _IDENTIFIER.match(rid) else None
+    tenant = tenant if isinstance(tenant, str) and _IDENTIFIER.match(tenant) else "default"
+    return rid, tenant
+
+
+def salvage_json(raw: bytes | str | None) -> Any:
+    """The JSON value of a message, or None if it is not (bounded like parse_request)."""
+    try:
+        return _decode_json(raw)
+    except ContractError:
+        return None
 
 
 def build_request(**fields: Any) -> GenerationRequest:

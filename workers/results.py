@@ -7,7 +7,6 @@ says when the donor was not used after all), what was actually computed and the 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -24,6 +23,8 @@ from producer.contract import (
     GenerationResult,
     PhaseTimings,
     ResultStatus,
+    salvage_identity,
+    salvage_json,
 )
 from producer.settings import KafkaSettings
 from workers.metrics import metrics
@@ -159,14 +160,8 @@ def _donor_info(order: WorkOrder) -> DonorInfo | None:
 
 def salvage_ids(raw: str | bytes) -> tuple[str | None, str]:
     """(request id, tenant) of an order that failed validation, if its JSON still names them."""
-    try:
-        request = json.loads(raw)["request"]
-        request_id = request.get("request_id")
-        tenant = request.get("tenant", "default")
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return None, "default"
-    ok = isinstance(request_id, str) and 0 < len(request_id) <= 128
-    return (request_id if ok else None), (tenant if isinstance(tenant, str) else "default")
+    order = salvage_json(raw)
+    return salvage_identity(order.get("request") if isinstance(order, dict) else None)
 
 
 class ResultPublisher:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -11,12 +12,16 @@ from producer.catalog import CATALOG, IntRule
 from producer.contract import (
     ContractError,
     DeadLetter,
+    ErrorInfo,
     GenerationRequest,
     GenerationResult,
     ResultStatus,
     ReusePlan,
     build_request,
+    parse_keyed_request,
     parse_request,
+    salvage_identity,
+    salvage_json,
 )
 
 json_values = st.recursive(
@@ -121,7 +126,13 @@ def test_defaults_come_from_the_model() -> None:
         (b'{"prompt": "x", "model": "wan2.1-t2v-1.3b", "width": 500}', "width", "model_shape"),
         (b'{"prompt": "x", "num_steps": 0}', "num_steps", "greater_than_equal"),
         (b'{"prompt": "x", "seed": -1}', "seed", "greater_than_equal"),
-        (b'{"prompt": "x", "guidance_scale": "high"}', "guidance_scale", "float_parsing"),
+        (b'{"prompt": "x", "guidance_scale": "high"}', "guidance_scale", "float_type"),
+        (b'{"prompt": "x", "num_steps": "4"}', "num_steps", "int_type"),
+        (b'{"prompt": "x", "seed": "7"}', "seed", "int_type"),
+        (b'{"prompt": "x", "priority": true}', "priority", "int_type"),
+        (b'{"prompt": "x", "guidance_scale": "2.5"}', "guidance_scale", "float_type"),
+        (b'{"prompt": "x", "seed": ' + b"9" * 5001 + b"}", "<message>", "json"),
+        (b'{"prompt": "' + b"x" * (1 << 20) + b'"}', "<message>", "size"),
         (b'{"prompt": "x", "reuse": "sometimes"}', "reuse", "enum"),
         (b'{"prompt": "x", "request_id": "../etc/passwd"}', "request_id", "string_pattern_mismatch"),
         (b'{"prompt": "x", "colour": "red"}', "colour", "extra_forbidden"),
@@ -130,6 +141,99 @@ def test_defaults_come_from_the_model() -> None:
 )
 def test_violations_name_the_field_and_the_rule(raw: bytes, field: str, rule: str) -> None:
     assert (field, rule) in issues_of(raw)
+
+
+def test_a_tombstone_is_a_contract_error_not_a_crash() -> None:
+    with pytest.raises(ContractError) as excinfo:
+        parse_request(None)
+    assert [(i.field, i.rule) for i in excinfo.value.issues] == [("<message>", "tombstone")]
+    with pytest.raises(ContractError, match="tombstone"):
+        parse_keyed_request(None, b"r-1")
+
+
+def test_a_float_field_takes_an_integer() -> None:
+    assert parse_request(b'{"prompt": "x", "guidance_scale": 2}').guidance_scale == 2.0
+
+
+@pytest.mark.parametrize(
+    ("doc", "key", "outcome"),
+    [
+        ({"prompt": "x", "request_id": "r-1"}, b"r-1", "r-1"),
+        ({"prompt": "x", "request_id": "r-1"}, None, "r-1"),
+        ({"prompt": "x"}, b"r-9", "r-9"),
+        ({"prompt": "x"}, None, ("request_id", "missing")),
+        ({"prompt": "x", "request_id": "r-1"}, b"r-2", ("<key>", "key_mismatch")),
+        ({"prompt": "x"}, b"../bad", ("request_id", "string_pattern_mismatch")),
+    ],
+)
+def test_a_keyed_request_is_always_one_its_sender_can_find(
+    doc: dict[str, Any], key: bytes | None, outcome: str | tuple[str, str]
+) -> None:
+    if isinstance(outcome, str):
+        assert parse_keyed_request(json.dumps(doc), key).request_id == outcome
+    else:
+        with pytest.raises(ContractError) as excinfo:
+            parse_keyed_request(json.dumps(doc), key)
+        assert outcome in [(i.field, i.rule) for i in excinfo.value.issues]
+
+
+@given(st.binary(max_size=200) | st.none(), st.binary(max_size=40) | st.none())
+def test_keyed_parsing_never_escapes_as_anything_but_contract_error(
+    raw: bytes | None, key: bytes | None
+) -> None:
+    try:
+        request = parse_keyed_request(raw, key)
+    except ContractError as exc:
+        assert exc.issues and all(i.field and i.rule and i.message for i in exc.issues)
+    else:
+        assert key is None or request.request_id == key.decode()
+
+
+def test_a_huge_message_is_dead_lettered_within_a_bounded_size() -> None:
+    raw = json.dumps({"prompt": "x" * (1 << 20), "request_id": "big"}).encode()
+    letter = DeadLetter.of_message(
+        raw,
+        b"big",
+        ErrorInfo(code="invalid_request", message="too big"),
+        [],
+        topic="t",
+        partition=0,
+        offset=3,
+    )
+    assert len(letter.to_bytes()) < 64 * 1024
+    assert letter.raw_truncated and letter.raw_size == len(raw) and letter.raw() == raw[: len(letter.raw())]
+    assert letter.raw_sha256 == hashlib.sha256(raw).hexdigest()
+    tomb = DeadLetter.of_message(
+        None,
+        b"k",
+        ErrorInfo(code="invalid_request", message="tombstone"),
+        [],
+        topic="t",
+        partition=0,
+        offset=4,
+    )
+    assert tomb.tombstone and tomb.raw() == b"" and not tomb.raw_truncated
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"request_id": "r-1", "tenant": "acme"}, ("r-1", "acme")),
+        ({"request_id": "r-1"}, ("r-1", "default")),
+        ({"request_id": "../x", "tenant": "a b"}, (None, "default")),
+        ({"request_id": 5, "tenant": None}, (None, "default")),
+        ([1, 2], (None, "default")),
+        (None, (None, "default")),
+    ],
+)
+def test_one_salvage_rule_keeps_only_valid_identifiers(data: Any, expected: tuple[str | None, str]) -> None:
+    assert salvage_identity(data) == expected
+
+
+def test_salvaging_json_is_bounded_like_parsing() -> None:
+    assert salvage_json(b'{"seed": ' + b"9" * 5001 + b"}") is None
+    assert salvage_json(None) is None
+    assert salvage_json(b'{"request_id": "r"}') == {"request_id": "r"}
 
 
 def test_error_message_is_readable() -> None:
