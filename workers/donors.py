@@ -10,7 +10,9 @@ Reading, two ways:
 - a running leader (FOLLOWER orders): each accessor polls S3 for its object every ``poll_s`` until ``wait_s`` has
   passed since it began waiting, then raises ``DonorUnavailable`` for that object (the engine computes that step in
   full). Once one wait has run out the leader is taken to be gone: later objects are looked up once, not waited
-  for, so a follower never waits more than ``wait_s`` in all.
+  for, so a follower never waits more than ``wait_s`` in all. The follower that gives up leaves an
+  ``abandoned`` marker under the prefix, and every other follower of that leader checks it while it waits, so
+  only the first of them pays the wait for a leader that was killed.
 
 Writing: the header first, then each step as the engine reports it, from a background thread so the denoising
 loop never waits for S3; ``finish`` uploads whatever is still missing (everything, for a SOLO order).
@@ -38,15 +40,20 @@ from workers.engine.trajectory import (
     encode_header,
     encode_step,
 )
-from workers.store import ObjectMissing, ObjectStore, StoreError
+from workers.store import ObjectCorrupt, ObjectMissing, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 
 HEADER_NAME = "header.json"
+ABANDONED_NAME = "abandoned"
 
 
 def header_key(prefix: str) -> str:
     return f"{prefix}{HEADER_NAME}"
+
+
+def abandoned_key(prefix: str) -> str:
+    return f"{prefix}{ABANDONED_NAME}"
 
 
 def step_key(prefix: str, index: int) -> str:
@@ -144,6 +151,9 @@ class S3DonorSource:
                 data = self.store.get_verified(key)
             except ObjectMissing:
                 pass
+            except ObjectCorrupt as exc:
+                # Permanent, unlike a failed read: the donor must be evicted, not planned again.
+                raise CorruptTrajectory(f"donor {what} corrupt: {exc}") from exc
             except StoreError as exc:
                 raise DonorUnavailable(f"donor {what} unreadable: {exc}") from exc
             else:
@@ -153,15 +163,33 @@ class S3DonorSource:
                 raise DonorMissing(f"donor {what} is not in the store ({self.store.uri(key)})")
             if self._gave_up:
                 raise DonorUnavailable(f"donor {what} is not in the store ({self.store.uri(key)})")
+            if self._abandoned():
+                self._gave_up = True
+                raise DonorUnavailable(f"donor {what}: another follower found its leader gone; not waiting")
             now = self._clock()
             if deadline is None:
                 deadline = now + self.wait_s
             if now >= deadline:
                 self._gave_up = True
+                self._mark_abandoned()
                 raise DonorUnavailable(
                     f"donor {what} was not uploaded within {self.wait_s:g} s ({self.store.uri(key)})"
                 )
             self._sleep(min(self.poll_s, deadline - now))
+
+    def _abandoned(self) -> bool:
+        try:
+            return self.store.exists(abandoned_key(self.prefix))
+        except StoreError:
+            return False  # the store's trouble; the wait decides
+
+    def _mark_abandoned(self) -> None:
+        try:
+            self.store.put(abandoned_key(self.prefix), b"", content_type="text/plain", retry=False)
+        except StoreError as exc:
+            log.warning(
+                "could not mark the leader abandoned", extra={"prefix": self.prefix, "error": str(exc)}
+            )
 
 
 @dataclass

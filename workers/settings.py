@@ -24,6 +24,10 @@ class WorkerSettings(KafkaSettings):
     s3_bucket: str = "chorus"
     s3_access_key: SecretStr | None = None
     s3_secret_key: SecretStr | None = None
+    # Seconds one object-store call may take (connect at most 5 s), and how long a failed write is retried with
+    # backoff before the request fails (stay well inside task_soft_time_limit_s).
+    s3_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    s3_write_retry_s: float = Field(default=60.0, ge=0, le=600)
     metrics_port: int = Field(default=9102, ge=0, le=65535)
     device: str = "cpu"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"

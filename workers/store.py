@@ -9,10 +9,14 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-from collections.abc import Iterator
+import os
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
+import certifi
+import urllib3
 from minio import Minio
 from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
@@ -29,6 +33,10 @@ class ObjectMissing(KeyError):
 
 class StoreError(RuntimeError):
     """The object store failed or returned something unusable."""
+
+
+class ObjectCorrupt(StoreError):
+    """The object was read whole but its bytes do not match the sha256 stored with it: retrying cannot help."""
 
 
 @dataclass(frozen=True)
@@ -48,12 +56,22 @@ class ObjectStore:
         secret_key: str | None,
         secure: bool = False,
         region: str = "us-east-1",
+        timeout_s: float = 30.0,
+        write_retry_s: float = 60.0,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.bucket = bucket
         self.endpoint = endpoint
         self.secure = secure
+        self.write_retry_s = write_retry_s
+        self._sleep = sleep
         self.client = Minio(
-            endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region
+            endpoint,
+            access_key=access_key,
+            secret_key=secret_key,
+            secure=secure,
+            region=region,
+            http_client=_http_client(timeout_s),
         )
 
     @classmethod
@@ -65,6 +83,8 @@ class ObjectStore:
             secret_key=settings.s3_secret_key.get_secret_value() if settings.s3_secret_key else None,
             secure=settings.s3_secure,
             region=settings.s3_region,
+            timeout_s=settings.s3_timeout_s,
+            write_retry_s=settings.s3_write_retry_s,
         )
 
     def uri(self, key: str) -> str:
@@ -84,8 +104,34 @@ class ObjectStore:
             # Another worker may have created it between the check and the create.
             if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise StoreError(f"cannot create bucket {self.bucket!r}: {exc}") from exc
+        except TransportError as exc:
+            raise StoreError(f"object store {self.endpoint} unreachable: {exc}") from exc
 
-    def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> StoredObject:
+    def put(
+        self, key: str, data: bytes, content_type: str = "application/octet-stream", *, retry: bool = True
+    ) -> StoredObject:
+        """Write one object, retrying a failed write with backoff for up to ``write_retry_s`` seconds.
+
+        Writes are idempotent (same key, same bytes), so a retry after a write that did land is harmless; a store
+        that is down for less than the retry window costs time, not the request.
+        """
+        deadline = time.monotonic() + (self.write_retry_s if retry else 0.0)
+        pause = 0.25
+        while True:
+            try:
+                return self._put_once(key, data, content_type)
+            except StoreError as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.warning(
+                    "object store write failed; retrying",
+                    extra={"key": key, "retry_in_s": round(min(pause, left), 2), "error": str(exc)[:300]},
+                )
+                self._sleep(min(pause, left))
+                pause = min(pause * 2, 5.0)
+
+    def _put_once(self, key: str, data: bytes, content_type: str) -> StoredObject:
         try:
             self.client.put_object(
                 self.bucket,
@@ -138,7 +184,7 @@ class ObjectStore:
             response.close()
             response.release_conn()
         if claimed is not None and hashlib.sha256(data).hexdigest() != claimed:
-            raise StoreError(f"{self.uri(key)} does not match its stored sha256")
+            raise ObjectCorrupt(f"{self.uri(key)} does not match its stored sha256")
         return data
 
     def exists(self, key: str) -> bool:
@@ -174,6 +220,17 @@ class ObjectStore:
 
     def presigned_get(self, key: str, expires: timedelta = timedelta(hours=1)) -> str:
         return self.client.presigned_get_object(self.bucket, key, expires=expires)
+
+
+def _http_client(timeout_s: float) -> urllib3.PoolManager:
+    """The minio client's own defaults, but with a bounded timeout per call (its default is 300 s)."""
+    return urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=min(timeout_s, 5.0), read=timeout_s),
+        maxsize=10,
+        cert_reqs="CERT_REQUIRED",
+        ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+        retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
+    )
 
 
 _STORES: dict[tuple[str, str, bool], ObjectStore] = {}

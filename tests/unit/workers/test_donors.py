@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from producer.embedded import EmbeddedService
-from workers.donors import S3DonorSource, TrajectoryUploader, header_key, step_key
+from producer.local.standins import EmbeddedService
+from workers.donors import S3DonorSource, TrajectoryUploader, abandoned_key, header_key, step_key
 from workers.engine.errors import CorruptTrajectory, DonorUnavailable
 from workers.engine.trajectory import (
     StepRecord,
@@ -181,6 +181,28 @@ def test_prefetch_reads_and_verifies_header_and_needed_steps(store: ObjectStore)
     assert_same_record(source.step(1), traj.steps[1])
 
 
+def test_once_one_follower_gave_up_on_a_killed_leader_the_others_do_not_wait(store: ObjectStore) -> None:
+    traj = make_trajectory("killed-leader")
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    first_clock, second_clock = FakeClock(), FakeClock()
+    first = S3DonorSource(store, prefix, wait_s=2.0, poll_s=0.5, clock=first_clock, sleep=first_clock.sleep)
+    with pytest.raises(DonorUnavailable, match="not uploaded within 2 s"):
+        first.step(0)
+    assert first_clock.sleeps == [0.5, 0.5, 0.5, 0.5]
+    assert store.exists(abandoned_key(prefix))
+
+    second = S3DonorSource(
+        store, prefix, wait_s=2.0, poll_s=0.5, clock=second_clock, sleep=second_clock.sleep
+    )
+    with pytest.raises(DonorUnavailable, match="another follower found its leader gone"):
+        second.step(0)
+    assert second_clock.sleeps == [] and second.gave_up
+    # What the leader did upload is still served: the marker only stops the waiting.
+    upload_step(store, traj, prefix, 1)
+    assert_same_record(second.step(1), traj.steps[1])
+
+
 def test_a_tampered_step_is_corrupt(store: ObjectStore) -> None:
     traj = make_trajectory()
     prefix = trajectory_prefix(traj.meta.request_id)
@@ -192,7 +214,11 @@ def test_a_tampered_step_is_corrupt(store: ObjectStore) -> None:
         S3DonorSource(store, prefix).step(0)
 
 
-def test_an_object_that_differs_from_its_stored_checksum_is_unavailable(store: ObjectStore) -> None:
+def test_an_object_that_differs_from_its_stored_checksum_is_corrupt_not_unavailable(
+    store: ObjectStore,
+) -> None:
+    # Bytes flipped with the stored checksum kept: a permanent fault, so the donor must be evicted (a
+    # DonorUnavailable would be taken as transient and the donor planned again for every similar request).
     traj = make_trajectory()
     prefix = trajectory_prefix(traj.meta.request_id)
     data = encode_header(traj)
@@ -203,7 +229,7 @@ def test_an_object_that_differs_from_its_stored_checksum_is_unavailable(store: O
         length=len(data),
         metadata={"sha256": hashlib.sha256(b"something else").hexdigest()},
     )
-    with pytest.raises(DonorUnavailable, match="does not match its stored sha256"):
+    with pytest.raises(CorruptTrajectory, match="does not match its stored sha256"):
         S3DonorSource(store, prefix).metadata()
 
 

@@ -1,0 +1,67 @@
+"""The S3 adapter against a real S3 server (moto) that is down when a write starts and comes back during it."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from moto.server import ThreadedMotoServer
+
+from workers.store import ObjectStore, StoreError
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_write_to_a_store_that_is_down_is_retried_until_it_comes_back() -> None:
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    pauses: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        # The store comes back after the second failed attempt.
+        pauses.append(seconds)
+        if len(pauses) == 2:
+            server.start()
+            ObjectStore(f"127.0.0.1:{port}", "chorus-test", access_key="k", secret_key="s").ensure_bucket()
+        time.sleep(min(seconds, 0.05))
+
+    store = ObjectStore(
+        f"127.0.0.1:{port}",
+        "chorus-test",
+        access_key="k",
+        secret_key="s",
+        timeout_s=2.0,
+        write_retry_s=30.0,
+        sleep=sleep,
+    )
+    try:
+        with pytest.raises(StoreError):
+            store.ensure_bucket()  # only writes retry; a read or a bucket check fails at once
+        stored = store.put("videos/r.mp4", b"video")
+        assert len(pauses) >= 2 and pauses[1] > pauses[0]  # backoff grows
+        assert store.get("videos/r.mp4") == b"video" and stored.size == 5
+    finally:
+        if pauses[1:]:
+            server.stop()
+
+
+def test_a_write_gives_up_when_its_retry_window_is_spent() -> None:
+    pauses: list[float] = []
+    store = ObjectStore(
+        f"127.0.0.1:{_free_port()}",
+        "chorus-test",
+        access_key="k",
+        secret_key="s",
+        timeout_s=1.0,
+        write_retry_s=2.0,
+        sleep=lambda s: (pauses.append(s), time.sleep(s))[-1],
+    )
+    start = time.monotonic()
+    with pytest.raises(StoreError, match="cannot write"):
+        store.put("videos/r.mp4", b"video")
+    assert pauses and 1.5 <= time.monotonic() - start <= 15.0
