@@ -7,7 +7,8 @@ from __future__ import annotations
 import typer
 
 from chorus_sched import cli as sched_cli
-from producer import cli_produce, demo
+from producer import cli_produce
+from producer.local import demo_command
 from workers import cli as worker_cli
 from workers.bench import quality as quality_bench
 from workers.engine import cli as engine_cli
@@ -22,7 +23,7 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks that print JSON (speed, quality).", no_args_is_help=True)
 
-app.command("demo")(demo.demo)
+app.command("demo")(demo_command.demo)
 app.command("produce")(cli_produce.produce)
 app.command("scheduler")(sched_cli.scheduler)
 app.command("worker")(worker_cli.worker)

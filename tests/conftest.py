@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.embedded import EmbeddedService, start_service
+from producer.local.standins import EmbeddedService, start_service
 from producer.settings import KafkaSettings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

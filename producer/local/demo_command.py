@@ -45,7 +45,7 @@ from rich.markup import escape
 
 if TYPE_CHECKING:
     from producer.contract import GenerationRequest, GenerationResult
-    from producer.stack import EmbeddedStack
+    from producer.local.stack import EmbeddedStack
 
 log = logging.getLogger(__name__)
 
@@ -584,7 +584,8 @@ def _run_demo(
     keep_running: bool,
 ) -> DemoSummary:
     from producer.contract import build_request
-    from producer.stack import EmbeddedStack, StackError, StackOptions, wipe_state
+    from producer.local.config import StackError, StackOptions
+    from producer.local.stack import EmbeddedStack, wipe_state
 
     started_at = datetime.now(UTC)
     t0 = time.monotonic()

@@ -5,8 +5,8 @@
   memory; with ``persist_dir`` the helper restores a snapshot of every bucket from that folder when it starts
   and writes one back when it stops (both through the S3 API, with the minio client), so objects outlive it.
 
-``start_service`` launches ``python -m producer.embedded <kind>``, which prints ``READY <host:port>`` once it
-serves and exits when its stdin closes (or on SIGTERM), so a stand-in never outlives the process that started
+``start_service`` launches ``python -m producer.local.standins <kind>``, which prints ``READY <host:port>`` once
+it serves and exits when its stdin closes (or on SIGTERM), so a stand-in never outlives the process that started
 it. A helper ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the process that started
 the helper decides when it stops (a persisting S3 helper must write its snapshot first).
 """
@@ -90,7 +90,7 @@ def start_service(
     ``log_path`` receives the helper's stderr (appended)."""
     if persist_dir is not None and kind != "s3":
         raise ValueError("only the S3 stand-in persists")
-    argv = [sys.executable, "-m", "producer.embedded", kind, "--host", host, "--port", str(port)]
+    argv = [sys.executable, "-m", "producer.local.standins", kind, "--host", host, "--port", str(port)]
     if persist_dir is not None:
         argv += ["--persist-dir", str(persist_dir)]
     log_file: IO[bytes] | None = None
@@ -306,7 +306,7 @@ def _on_sigterm(_signum: int, _frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m producer.embedded")
+    parser = argparse.ArgumentParser(prog="python -m producer.local.standins")
     parser.add_argument("kind", choices=["kafka", "s3"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

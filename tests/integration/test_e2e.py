@@ -51,8 +51,10 @@ from chorus_sched.planner import parse_calibration
 from chorus_sched.settings import SchedulerSettings
 from producer import bus
 from producer.contract import DeadLetter, GenerationRequest, GenerationResult, ResultStatus, build_request
+from producer.local.config import StackOptions
+from producer.local.processes import ServiceProcess
+from producer.local.stack import EmbeddedStack
 from producer.sdk import ChorusClient, ResultWatcher
-from producer.stack import EmbeddedStack, ServiceProcess, StackOptions
 from workers.app import EXCHANGE, app_for_broker
 from workers.donors import header_key, step_key
 from workers.orders import Role, WorkOrder, queue_for, trajectory_prefix, video_key

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from producer.contract import ResultStatus
-from producer.stack import EmbeddedStack
+from producer.local.stack import EmbeddedStack
 from tests.integration.test_e2e import (
     STEPS,
     donor_index,

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import pytest
 
 from producer.contract import ResultStatus
+from producer.local.stack import EmbeddedStack
 from producer.sdk import ChorusClient
-from producer.stack import EmbeddedStack
 from tests.integration.test_e2e import (
     WAIT_S,
     check_ran_once,

@@ -41,8 +41,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from producer import bus
 from producer.contract import GenerationRequest, GenerationResult, ResultStatus, ReusePolicy, build_request
+from producer.local.config import StackOptions
+from producer.local.processes import free_port
+from producer.local.stack import EmbeddedStack
 from producer.sdk import ChorusClient
-from producer.stack import EmbeddedStack, StackOptions, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -22,7 +22,9 @@ from chorus_sched.index import DonorIndex
 from chorus_sched.ledger import SqliteLedger
 from producer import bus
 from producer.contract import DeadLetter, GenerationRequest, build_request
-from producer.stack import EmbeddedStack, ServiceProcess, StackOptions
+from producer.local.config import StackOptions
+from producer.local.processes import ServiceProcess
+from producer.local.stack import EmbeddedStack
 from workers.app import EXCHANGE, app_for_broker
 from workers.orders import GENERATE_TASK, Role, WorkOrder, queue_for
 

@@ -12,7 +12,7 @@ from chorus_sched.index import DonorEntry, DonorIndex
 from chorus_sched.ledger import Ledger
 from producer import bus
 from producer.contract import build_request, parse_request
-from producer.embedded import EmbeddedService
+from producer.local.standins import EmbeddedService
 from producer.settings import KafkaSettings
 from workers.store import ObjectMissing, ObjectStore
 

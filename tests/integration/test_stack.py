@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 
 from producer.contract import ResultStatus, build_request
-from producer.embedded import read_snapshot
+from producer.local.config import StackError, StackOptions
+from producer.local.stack import EmbeddedStack
+from producer.local.standins import read_snapshot
 from producer.sdk import ChorusClient
-from producer.stack import EmbeddedStack, StackError, StackOptions
 from workers.orders import trajectory_header_key, video_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -141,7 +142,8 @@ def test_a_worker_that_cannot_load_its_model_fails_start_and_leaves_nothing_runn
 OWNER = """
 import json, sys, time
 from pathlib import Path
-from producer.stack import EmbeddedStack, StackOptions
+from producer.local.config import StackOptions
+from producer.local.stack import EmbeddedStack
 
 stack = EmbeddedStack(StackOptions(state_dir=Path(sys.argv[1]), models=["tiny-random-wan"], embedder="hashing"))
 stack.start()

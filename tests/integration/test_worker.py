@@ -22,7 +22,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from producer.contract import GenerationRequest, GenerationResult, ResultStatus, ReusePlan, build_request
-from producer.embedded import EmbeddedService
+from producer.local.standins import EmbeddedService
 from producer.sdk import ResultWatcher
 from workers.app import app_for_broker, create_app, send_evict, send_generate
 from workers.donors import header_key, step_key

@@ -22,7 +22,7 @@ import pytest
 from celery import Celery
 
 from producer.contract import ResultStatus, ReusePlan, build_request
-from producer.embedded import EmbeddedService
+from producer.local.standins import EmbeddedService
 from producer.sdk import ResultWatcher, read_requests
 from workers.app import app_for_broker, send_generate
 from workers.donors import header_key, step_key
