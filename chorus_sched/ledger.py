@@ -146,21 +146,69 @@ class Ledger(ABC):
     @abstractmethod
     def unlock(self, name: str, token: str) -> None: ...
 
+    @abstractmethod
+    def renew_lock(self, name: str, token: str, ttl_s: float) -> bool:
+        """Extend a lock we hold by ``ttl_s`` from now; False if it is no longer ours."""
+
+    @abstractmethod
+    def lock_holder(self, name: str) -> str | None:
+        """The token of whoever holds the lock now (it starts with the holder's owner id), or None."""
+
     @contextmanager
-    def mutex(self, name: str, *, ttl_s: float = 60.0, wait_s: float = 120.0) -> Iterator[None]:
-        """Exclusive across every instance sharing the ledger; expires after ``ttl_s`` if its holder dies."""
-        token = uuid.uuid4().hex
-        deadline = time.monotonic() + wait_s
-        pause = 0.005
-        while not self.try_lock(name, token, ttl_s):
-            if time.monotonic() > deadline:
-                raise LedgerError(f"mutex {name!r} not acquired within {wait_s:.0f} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
+    def mutex(
+        self, name: str, *, ttl_s: float = 10.0, wait_s: float = 120.0, owner: str = ""
+    ) -> Iterator[None]:
+        """Exclusive across every instance sharing the ledger.
+
+        The lock is a short lease (``ttl_s``) that a background thread renews while the block runs, so a holder
+        that dies (SIGKILL, power loss) blocks the others for at most ``ttl_s``, however long the block takes
+        for a live holder. A wait longer than a few seconds is logged with the holder's identity.
+        """
+        token = f"{owner or 'anonymous'}:{uuid.uuid4().hex}"
+        self._acquire(name, token, ttl_s, wait_s)
+        stop = threading.Event()
+        renewer = threading.Thread(
+            target=self._keep_lock, args=(name, token, ttl_s, stop), name=f"mutex-{name}", daemon=True
+        )
+        renewer.start()
         try:
             yield
         finally:
+            stop.set()
+            renewer.join()
             self.unlock(name, token)
+
+    def _acquire(self, name: str, token: str, ttl_s: float, wait_s: float) -> None:
+        start = time.monotonic()
+        deadline, next_report = start + wait_s, start + 2.0
+        pause = 0.005
+        while not self.try_lock(name, token, ttl_s):
+            now = time.monotonic()
+            if now > deadline:
+                raise LedgerError(
+                    f"mutex {name!r} not acquired within {wait_s:.0f} s (held by {self.lock_holder(name)})"
+                )
+            if now >= next_report:
+                log.warning(
+                    "waiting for a mutex another instance holds",
+                    extra={
+                        "mutex": name,
+                        "holder": self.lock_holder(name),
+                        "waited_s": round(now - start, 1),
+                    },
+                )
+                next_report = now + 10.0
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    def _keep_lock(self, name: str, token: str, ttl_s: float, stop: threading.Event) -> None:
+        while not stop.wait(ttl_s / 3):
+            try:
+                if not self.renew_lock(name, token, ttl_s):
+                    log.error("lost a mutex while holding it", extra={"mutex": name})
+                    return
+            except Exception as exc:  # the ledger is down: the next renewal may succeed before the lease ends
+                log.warning("could not renew a mutex", extra={"mutex": name, "error": repr(exc)})
 
     def purge_expired(self) -> int:
         """Drop expired rows (stores whose entries do not expire by themselves); returns how many."""
@@ -200,6 +248,11 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 
 class RedisLedger(Ledger):
     def __init__(self, client: redis.Redis, *, prefix: str = "chorus:", ttl_s: int = DEFAULT_TTL_S) -> None:
@@ -208,6 +261,7 @@ class RedisLedger(Ledger):
         self.ttl_s = ttl_s
         self._begin = client.register_script(_BEGIN)
         self._unlock = client.register_script(_UNLOCK)
+        self._renew = client.register_script(_RENEW)
 
     def _req(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"
@@ -278,6 +332,13 @@ class RedisLedger(Ledger):
     def unlock(self, name: str, token: str) -> None:
         self._unlock(keys=[f"{self.prefix}lock:{name}"], args=[token])
 
+    def renew_lock(self, name: str, token: str, ttl_s: float) -> bool:
+        return bool(self._renew(keys=[f"{self.prefix}lock:{name}"], args=[token, int(ttl_s * 1000)]))
+
+    def lock_holder(self, name: str) -> str | None:
+        value = self.client.get(f"{self.prefix}lock:{name}")
+        return None if value is None else str(value)
+
     def close(self) -> None:
         self.client.close()
 
@@ -308,7 +369,17 @@ class SqliteLedger(Ledger):
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA busy_timeout = 30000")
-        self._db.execute("PRAGMA journal_mode = WAL")
+        # Switching to WAL needs a moment alone with the file, and SQLite does not wait for it (no busy handler):
+        # another process opening or writing the ledger at that instant makes it fail at once. Try again.
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode = WAL")
+                break
+            except sqlite3.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         self._db.execute("PRAGMA synchronous = NORMAL")
         with self._tx():
             for statement in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
@@ -462,6 +533,22 @@ class SqliteLedger(Ledger):
     def unlock(self, name: str, token: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM locks WHERE name = ? AND token = ?", (self._key(name), token))
+
+    def renew_lock(self, name: str, token: str, ttl_s: float) -> bool:
+        with self._tx() as db:
+            return bool(
+                db.execute(
+                    "UPDATE locks SET until = ? WHERE name = ? AND token = ? AND until >= ?",
+                    (time.time() + ttl_s, self._key(name), token, time.time()),
+                ).rowcount
+            )
+
+    def lock_holder(self, name: str) -> str | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT token FROM locks WHERE name = ? AND until >= ?", (self._key(name), time.time())
+            ).fetchone()
+        return None if row is None else str(row[0])
 
     def purge_expired(self) -> int:
         now = time.time()

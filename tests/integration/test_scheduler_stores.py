@@ -166,6 +166,42 @@ def test_a_dead_holders_mutex_expires(ledger: Ledger) -> None:
     assert ledger.try_lock("x", "third", ttl_s=1)
 
 
+def test_a_live_holder_keeps_its_mutex_past_the_lease(ledger: Ledger) -> None:
+    with ledger.mutex("held", ttl_s=0.3, owner="sched-a"):
+        time.sleep(1.0)  # three leases: the renewer must have extended it
+        holder = ledger.lock_holder("held")
+        assert holder is not None and holder.startswith("sched-a:")
+        assert not ledger.try_lock("held", "other", ttl_s=1)
+    assert ledger.lock_holder("held") is None
+
+
+def _hold_forever(url: str, prefix: str, ready: str) -> None:
+    store = Ledger.from_url(url, prefix=prefix, ttl_s=600)
+    with store.mutex("group:k", ttl_s=1.0, owner="killed-scheduler"):
+        Path(ready).write_text("held")
+        time.sleep(600)
+
+
+def test_a_killed_holders_mutex_is_free_within_its_short_lease(
+    ledger_url: str, prefix: str, ledger: Ledger, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready"
+    proc = FORK.Process(target=_hold_forever, args=(ledger_url, prefix, str(ready)))
+    proc.start()
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # past one lease: only renewal keeps it held
+    holder = ledger.lock_holder("group:k")
+    assert holder is not None and holder.startswith("killed-scheduler:")
+    proc.kill()  # SIGKILL: no unlock, no more renewals
+    proc.join(timeout=30)
+    start = time.monotonic()
+    with ledger.mutex("group:k", ttl_s=1.0, wait_s=30, owner="restarted"):
+        waited = time.monotonic() - start
+    assert waited <= 2.0, waited
+
+
 def test_open_ledger_picks_sqlite_without_redis_and_redis_with_it(tmp_path: Path, redis_url: str) -> None:
     embedded = open_ledger("", state_dir=tmp_path)
     assert isinstance(embedded, SqliteLedger) and embedded.path == tmp_path / "ledger.sqlite3"
