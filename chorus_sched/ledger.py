@@ -33,7 +33,10 @@ from pydantic import BaseModel, Field
 
 log = logging.getLogger(__name__)
 
-ClaimOutcome = Literal["new", "resumed", "duplicate", "busy"]
+ClaimOutcome = Literal["new", "retry", "resumed", "duplicate", "busy"]
+# States a request ends in without a video. A *new* message with the same id is the sender trying again, and is
+# claimed afresh; the same message read again (a redelivery) is still a duplicate.
+RETRYABLE_STATES = ("failed", "dead_lettered")
 DEFAULT_TTL_S = 7 * 24 * 3600
 
 
@@ -43,8 +46,10 @@ class LedgerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Claim:
-    """``new``: first time seen; ``resumed``: our own earlier lease, or an expired lease of another instance;
-    ``duplicate``: already dispatched (or finished); ``busy``: another instance holds a live lease."""
+    """``new``: first time seen; ``retry``: it ended without a video and this is another message asking again;
+    ``resumed``: our own earlier lease, or an expired lease of another instance; ``duplicate``: already
+    dispatched (or finished), or the very message that was claimed before; ``busy``: another instance holds a
+    live lease."""
 
     outcome: ClaimOutcome
     state: str | None = None
@@ -52,7 +57,7 @@ class Claim:
 
     @property
     def ours(self) -> bool:
-        return self.outcome in ("new", "resumed")
+        return self.outcome in ("new", "retry", "resumed")
 
 
 class RequestRecord(BaseModel):
@@ -96,8 +101,14 @@ class Ledger(ABC):
         return claim.outcome == "new"
 
     @abstractmethod
-    def begin(self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted") -> Claim:
-        """Claim a request for scheduling, as a lease of ``lease_s`` seconds held by ``owner``."""
+    def begin(
+        self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted", origin: str = ""
+    ) -> Claim:
+        """Claim a request for scheduling, as a lease of ``lease_s`` seconds held by ``owner``.
+
+        ``origin`` names the message that asks (topic:partition:offset): a request that ended in a
+        ``RETRYABLE_STATES`` state is claimed again by a message of another origin.
+        """
 
     @abstractmethod
     def state(self, request_id: str) -> str | None: ...
@@ -224,11 +235,19 @@ class Ledger(ABC):
 _BEGIN = """
 local key = KEYS[1]
 local owner, lease_until, now, ttl, state0 = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local origin = ARGV[6]
 local state = redis.call('HGET', key, 'state')
 if not state then
-  redis.call('HSET', key, 'state', state0, 'owner', owner, 'lease_until', lease_until)
+  redis.call('HSET', key, 'state', state0, 'owner', owner, 'lease_until', lease_until, 'origin', origin)
   redis.call('EXPIRE', key, ttl)
   return {'new', state0, owner}
+end
+if (state == 'failed' or state == 'dead_lettered') and origin ~= ''
+    and origin ~= (redis.call('HGET', key, 'origin') or '') then
+  redis.call('DEL', key)
+  redis.call('HSET', key, 'state', state0, 'owner', owner, 'lease_until', lease_until, 'origin', origin)
+  redis.call('EXPIRE', key, ttl)
+  return {'retry', state, owner}
 end
 local holder = redis.call('HGET', key, 'owner') or ''
 if state == 'accepted' then
@@ -266,10 +285,13 @@ class RedisLedger(Ledger):
     def _req(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"
 
-    def begin(self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted") -> Claim:
+    def begin(
+        self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted", origin: str = ""
+    ) -> Claim:
         now = time.time()
         outcome, current, holder = self._begin(
-            keys=[self._req(request_id)], args=[owner, repr(now + lease_s), repr(now), self.ttl_s, state]
+            keys=[self._req(request_id)],
+            args=[owner, repr(now + lease_s), repr(now), self.ttl_s, state, origin],
         )
         return Claim(outcome=outcome, state=current, owner=holder or None)
 
@@ -349,7 +371,7 @@ class RedisLedger(Ledger):
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
   request_id TEXT PRIMARY KEY, state TEXT NOT NULL, owner TEXT, lease_until REAL,
-  record TEXT, expires_at REAL NOT NULL);
+  record TEXT, expires_at REAL NOT NULL, origin TEXT);
 CREATE TABLE IF NOT EXISTS marks (key TEXT PRIMARY KEY, expires_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS hits (
   donor_id TEXT PRIMARY KEY, hits INTEGER NOT NULL, steps_saved REAL NOT NULL, expires_at REAL NOT NULL);
@@ -384,6 +406,10 @@ class SqliteLedger(Ledger):
         with self._tx():
             for statement in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
                 self._db.execute(statement)
+            # A ledger file written by an earlier release has no origin column yet.
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(requests)")}
+            if "origin" not in columns:
+                self._db.execute("ALTER TABLE requests ADD COLUMN origin TEXT")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -403,21 +429,26 @@ class SqliteLedger(Ledger):
     def _expires(self) -> float:
         return time.time() + self.ttl_s
 
-    def begin(self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted") -> Claim:
+    def begin(
+        self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted", origin: str = ""
+    ) -> Claim:
         now = time.time()
         key = self._key(request_id)
         with self._tx() as db:
             db.execute("DELETE FROM requests WHERE request_id = ? AND expires_at < ?", (key, now))
+            row = db.execute(
+                "SELECT state, owner, lease_until, origin FROM requests WHERE request_id = ?", (key,)
+            ).fetchone()
+            if row is not None and row[0] in RETRYABLE_STATES and origin and origin != (row[3] or ""):
+                db.execute("DELETE FROM requests WHERE request_id = ?", (key,))
             inserted = db.execute(
-                "INSERT OR IGNORE INTO requests (request_id, state, owner, lease_until, expires_at) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (key, state, owner, now + lease_s, self._expires()),
+                "INSERT OR IGNORE INTO requests (request_id, state, owner, lease_until, expires_at, origin) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (key, state, owner, now + lease_s, self._expires(), origin),
             ).rowcount
             if inserted:
-                return Claim("new", state, owner)
-            current, holder, lease_until = db.execute(
-                "SELECT state, owner, lease_until FROM requests WHERE request_id = ?", (key,)
-            ).fetchone()
+                return Claim("new", state, owner) if row is None else Claim("retry", str(row[0]), owner)
+            current, holder, lease_until = row[0], row[1], row[2]
             if current == "accepted":
                 if holder == owner or (lease_until or 0.0) < now:
                     db.execute(

@@ -166,6 +166,43 @@ def test_a_dead_holders_mutex_expires(ledger: Ledger) -> None:
     assert ledger.try_lock("x", "third", ttl_s=1)
 
 
+@pytest.mark.parametrize("ended", ["failed", "dead_lettered"])
+def test_a_request_that_ended_without_a_video_can_be_sent_again(ledger: Ledger, ended: str) -> None:
+    first = ledger.begin("r-again", owner="a", lease_s=60, origin="requests:0:10")
+    assert first.outcome == "new"
+    ledger.set_state("r-again", ended)
+    # The same message read again (a redelivery) is not a new attempt...
+    redelivered = ledger.begin("r-again", owner="b", lease_s=60, origin="requests:0:10")
+    assert redelivered.outcome == "duplicate" and not redelivered.ours
+    # ...but another message with the same id is the sender trying again.
+    again = ledger.begin("r-again", owner="b", lease_s=60, origin="requests:1:3")
+    assert again.outcome == "retry" and again.ours and again.state == ended
+    assert ledger.state("r-again") == "accepted"
+    assert ledger.begin("r-again", owner="c", lease_s=60, origin="requests:1:4").outcome == "busy"
+
+
+def test_a_request_that_was_served_stays_a_duplicate(ledger: Ledger) -> None:
+    ledger.begin("r-served", owner="a", lease_s=60, origin="requests:0:1")
+    ledger.record_dispatch(record("r-served"))
+    ledger.set_state("r-served", "done")
+    assert ledger.begin("r-served", owner="b", lease_s=60, origin="requests:0:2").outcome == "duplicate"
+
+
+def test_an_older_ledger_file_gains_the_origin_column(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE requests (request_id TEXT PRIMARY KEY, state TEXT NOT NULL, owner TEXT, lease_until REAL,"
+        " record TEXT, expires_at REAL NOT NULL)"
+    )
+    db.close()
+    store = SqliteLedger(path)
+    assert store.begin("r", owner="a", lease_s=5, origin="t:0:0").outcome == "new"
+    store.close()
+
+
 def test_a_live_holder_keeps_its_mutex_past_the_lease(ledger: Ledger) -> None:
     with ledger.mutex("held", ttl_s=0.3, owner="sched-a"):
         time.sleep(1.0)  # three leases: the renewer must have extended it
