@@ -10,7 +10,7 @@ had a chance to be hit. Evictions, in order:
 3. while the finished donors together exceed ``budget_bytes``: the lowest value first (ties: least recently
    used, then request id, so the choice is deterministic).
 
-Evicting means removing the Qdrant point and sending an ``EvictOrder`` (``chorus_sched.service``).
+Evicting means removing the Qdrant point and sending an ``EvictOrder`` (``chorus_sched.maintenance``).
 """
 
 from __future__ import annotations

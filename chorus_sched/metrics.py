@@ -1,8 +1,9 @@
 """The scheduler's Prometheus metrics, and the ``/metrics`` endpoint that serves them.
 
-Every metric is defined here and incremented at one place in ``chorus_sched.service`` (the catalogue below names
-it). Labels take values from small fixed sets only (roles, outcomes, reasons, catalog models, queue names); each
-labelled series is created at zero when the module loads, so ``rate``/``increase`` see the first event too.
+Every metric is defined here and incremented at one place in the scheduler's modules (``chorus_sched.intake``,
+``dead_letters``, ``feedback``, ``maintenance``, ``loop``; the catalogue below names it). Labels take values from
+small fixed sets only (roles, outcomes, reasons, catalog models, queue names); each labelled series is created at
+zero when the module loads, so ``rate``/``increase`` see the first event too.
 
 ==========================================================  =========  ==========================================
 metric                                                      type       where

@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 import pytest
 from kafka.errors import InvalidRequestError
 
-from chorus_sched import service
-from chorus_sched.service import REJOIN_AFTER_POLL_FAILURES, BatchOutcome, _Loop
+from chorus_sched import loop as consumer_loop
+from chorus_sched.batch import BatchOutcome
+from chorus_sched.loop import REJOIN_AFTER_POLL_FAILURES, ConsumerLoop
 from chorus_sched.settings import SchedulerSettings
 
 
@@ -59,9 +60,9 @@ def test_a_consumer_whose_polls_keep_failing_is_replaced(
 ) -> None:
     stop = threading.Event()
     StuckThenHealthy.built = []
-    monkeypatch.setattr(service.bus, "make_consumer", lambda *a, **k: StuckThenHealthy(stop))
+    monkeypatch.setattr(consumer_loop.bus, "make_consumer", lambda *a, **k: StuckThenHealthy(stop))
     settings = SchedulerSettings(state_dir=tmp_path, retry_backoff_max_s=0.01, poll_timeout_ms=1)
-    loop = _Loop(
+    loop = ConsumerLoop(
         settings,
         name="requests",
         topic="chorus.requests",

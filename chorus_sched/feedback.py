@@ -1,0 +1,226 @@
+"""Feedback: results in, donor index updated — what the workers report back makes the next requests cheaper.
+
+Per poll of the results topic (its own consumer group; ``Feedback.handle_results``), for each result of a request
+this deployment dispatched: a ``done`` result with a trajectory becomes (or finalizes) a ``ready`` donor entry; a
+failed leader's ``running`` entry is evicted; a donor that was used gets its hit and token-steps saved counted
+once (a ledger mark per result); a donor a worker found unusable is evicted. Evictions go through
+``CacheMaintenance.evict`` (``chorus_sched.maintenance``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from pydantic import ValidationError
+
+from chorus_sched.batch import BatchOutcome, Message, Progress, SchedulerStats, finish, transient
+from chorus_sched.embedding import Embedder
+from chorus_sched.index import DonorEntry, DonorIndex
+from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.metrics import METRICS
+from producer.contract import GenerationResult, ResultStatus, ReusePolicy
+from workers.orders import Role, trajectory_prefix
+
+log = logging.getLogger(__name__)
+
+
+class Feedback:
+    """Turns results into donor entries and hit counts; evicts through ``evict`` (request id -> reason)."""
+
+    def __init__(
+        self,
+        *,
+        embedder: Embedder,
+        index: DonorIndex,
+        ledger: Ledger,
+        evict: Callable[[dict[str, str]], None],
+        stats: SchedulerStats,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.embedder = embedder
+        self.index = index
+        self.ledger = ledger
+        self.evict = evict
+        self.stats = stats
+        self.clock = clock
+
+    def handle_results(self, messages: Sequence[Message]) -> BatchOutcome:
+        progress = Progress()
+        results: list[tuple[Message, GenerationResult]] = []
+        for m in messages:
+            progress.seen(m)
+            try:
+                results.append((m, GenerationResult.model_validate_json(m.value)))
+            except ValidationError as exc:
+                log.warning(
+                    "unreadable result skipped",
+                    extra={"partition": m.partition, "offset": m.offset, "error": str(exc).splitlines()[0]},
+                )
+        if results:
+            try:
+                with self.index.hold():
+                    for m, result in results:
+                        try:
+                            self._on_result(result)
+                        except Exception as exc:
+                            log.warning(
+                                "result not processed; will retry",
+                                exc_info=not transient(exc),
+                                extra={"request_id": result.request_id, "error": repr(exc)},
+                            )
+                            progress.failed(m)
+            except Exception as exc:  # the index could not be opened
+                log.warning("donor index unavailable; results will be retried", extra={"error": repr(exc)})
+                for m, _ in results:
+                    progress.failed(m)
+        return finish(progress, self.stats)
+
+    def _on_result(self, result: GenerationResult) -> None:
+        rid = result.request_id
+        record = self.ledger.record(rid)
+        if record is None:
+            log.debug(
+                "result of a request this deployment did not dispatch (or has forgotten)",
+                extra={"request_id": rid},
+            )
+            return
+        self.stats.results += 1
+        METRICS.results.labels(status=str(result.status)).inc()
+        state = self.ledger.state(rid)
+        leader = record.role == str(Role.LEADER)
+        if result.status is ResultStatus.DONE:
+            if state != "evicted":
+                self.ledger.set_state(rid, "done")
+            if record.reuse == str(ReusePolicy.OFF):
+                log.info("result not indexed: the request opted out of reuse", extra={"request_id": rid})
+            elif state == "evicted":
+                log.info(
+                    "result not indexed: the entry was evicted before it finished", extra={"request_id": rid}
+                )
+            elif result.trajectory_uri:
+                self._index_donor(record, result)
+            elif leader and (entry := self.index.get(rid)) is not None and not entry.ready:
+                self.evict({rid: "leader finished without a stored trajectory"})
+            self._count_hit(result)
+            self._drop_gone_donor(result)
+        else:
+            if state != "done":
+                self.ledger.set_state(rid, "failed")
+            entry = self.index.get(rid)
+            if entry is not None and not entry.ready:
+                self.evict({rid: f"leader {result.status}"})
+            log.info(
+                "request did not finish",
+                extra={
+                    "request_id": rid,
+                    "status": str(result.status),
+                    "error": result.error.code if result.error else None,
+                },
+            )
+
+    def _index_donor(self, record: RequestRecord, result: GenerationResult) -> None:
+        rid = record.request_id
+        assert result.trajectory_uri is not None
+        key = (
+            result.trajectory_uri.split("/", 3)[-1]
+            if "://" in result.trajectory_uri
+            else result.trajectory_uri
+        )
+        if not (key.rstrip("/") + "/").startswith(trajectory_prefix(rid)):
+            log.warning(
+                "trajectory is outside the agreed layout; eviction by prefix would miss it",
+                extra={"request_id": rid, "trajectory_uri": result.trajectory_uri},
+            )
+        fields = {
+            "status": "ready",
+            "trajectory_uri": result.trajectory_uri,
+            "video_uri": result.video_uri,
+            "bytes": result.trajectory_bytes,
+            "created_at": self.clock(),
+        }
+        updated = self.index.set_fields(rid, fields)
+        if updated is None:
+            vector = self.embedder.embed([record.prompt])[0]
+            self.index.upsert(
+                DonorEntry(
+                    request_id=rid,
+                    tenant=record.tenant,
+                    compat_key=record.compat_key,
+                    prompt=record.prompt,
+                    trajectory_prefix=trajectory_prefix(rid),
+                    model=record.model,
+                    num_steps=record.num_steps,
+                    trajectory_uri=result.trajectory_uri,
+                    video_uri=result.video_uri,
+                    bytes=result.trajectory_bytes,
+                    created_at=self.clock(),
+                ),
+                vector,
+            )
+        self.stats.donors_indexed += 1
+        METRICS.donors_indexed.inc()
+        log.info(
+            "donor indexed",
+            extra={
+                "request_id": rid,
+                "bytes": result.trajectory_bytes,
+                "was_leader": updated is not None,
+                "compat_key": record.compat_key,
+                "tenant": record.tenant,
+            },
+        )
+
+    def _drop_gone_donor(self, result: GenerationResult) -> None:
+        """A worker found the planned donor's objects missing, corrupt or incompatible: stop offering it, and let
+        the eviction order delete whatever of it is left in the store."""
+        if not result.donor_gone or result.donor is None:
+            return
+        donor_id = result.donor.request_id
+        entry = self.index.get(donor_id)
+        if entry is None or not entry.ready:
+            return
+        log.warning(
+            "donor unusable at fetch; evicting it",
+            extra={"request_id": result.request_id, "donor": donor_id, "fallback": result.fallback},
+        )
+        self.evict({donor_id: "donor-gone"})
+
+    def _count_hit(self, result: GenerationResult) -> None:
+        if result.donor is None:
+            return
+        donor_id = result.donor.request_id
+        if result.fallback is not None or result.plan is None or not result.plan.reuses:
+            log.info(
+                "planned donor was not used",
+                extra={"request_id": result.request_id, "donor": donor_id, "fallback": result.fallback},
+            )
+            return
+        if not self.ledger.mark_once(f"hit:{result.request_id}"):
+            return
+        # Token-steps saved: the engine reports the mean fraction of tokens it computed per requested step, so
+        # Stage 1 counts in full and Stage 2 by the share of tokens it skipped. A result computing no step at
+        # all reports nothing usable and counts no saving.
+        saved = (
+            result.steps_requested * (1.0 - result.tokens_computed_fraction)
+            if result.steps_computed > 0
+            else 0.0
+        )
+        hits, total = self.ledger.add_hit(donor_id, saved)
+        entry = self.index.set_fields(
+            donor_id, {"hits": hits, "steps_saved": total, "last_hit_at": self.clock()}
+        )
+        self.stats.hits += 1
+        METRICS.count_hit(saved)
+        log.info(
+            "donor hit recorded",
+            extra={
+                "request_id": result.request_id,
+                "donor": donor_id,
+                "steps_saved": saved,
+                "donor_hits": hits,
+                "donor_steps_saved": total,
+                "donor_still_indexed": entry is not None,
+            },
+        )

@@ -1,0 +1,373 @@
+"""Intake: the scheduler's decisions — requests in, work orders out.
+
+Per poll of the requests topic (``Intake.handle_requests``):
+
+1. parse each message (``parse_request``); an invalid one is dead-lettered (``chorus_sched.dead_letters``) —
+   consumption goes on;
+2. claim each request id in the ledger; an id already dispatched is a duplicate and is skipped, one another
+   instance is scheduling right now is retried later;
+3. embed the prompts of the poll as one batch;
+4. per compatibility key (under a ledger mutex, with the index held): search finished donors and running
+   leaders, plan each candidate (similarity + word difference), choose; a miss becomes a group leader,
+   upserted into the index as ``running`` so any instance's next search finds it;
+5. send the ``WorkOrder`` to the model's Celery queue, then record the dispatch in the ledger;
+6. report, per partition, the offsets to commit up to the first message that could not be handled (which is
+   retried; after ``max_attempts`` non-transient failures it is dead-lettered).
+
+The intake decides and does no I/O beyond its injected ports (embedder, donor index, ledger, dispatcher, dead
+letters); the choice itself is ``chorus_sched.grouping.decide`` with ``chorus_sched.planner``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+from chorus_sched.batch import BatchOutcome, Message, Progress, SchedulerStats, finish, transient
+from chorus_sched.dead_letters import DeadLetters
+from chorus_sched.dispatch import Dispatcher
+from chorus_sched.embedding import Embedder
+from chorus_sched.grouping import Candidate, Decision, blocked_gain, decide
+from chorus_sched.index import DonorEntry, DonorIndex
+from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.metrics import METRICS
+from chorus_sched.planner import Planner
+from chorus_sched.settings import SchedulerSettings
+from producer.contract import ContractError, GenerationRequest, ReusePolicy, parse_request
+from workers.orders import DonorRef, Role, WorkOrder, trajectory_prefix
+
+log = logging.getLogger(__name__)
+
+
+def _clamp(similarity: float) -> float:
+    return max(-1.0, min(1.0, similarity))
+
+
+class Intake:
+    """Schedules the requests of a poll: claims, embeds, decides, dispatches; counts into ``stats``."""
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        *,
+        embedder: Embedder,
+        index: DonorIndex,
+        ledger: Ledger,
+        dispatcher: Dispatcher,
+        planner: Planner,
+        dead_letters: DeadLetters,
+        stats: SchedulerStats,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.embedder = embedder
+        self.index = index
+        self.ledger = ledger
+        self.dispatcher = dispatcher
+        self.planner = planner
+        self.dead_letters = dead_letters
+        self.stats = stats
+        self.clock = clock
+        self.instance = settings.resolved_instance_id
+        self._attempts: dict[tuple[str, int, int], int] = {}
+
+    def handle_requests(self, messages: Sequence[Message]) -> BatchOutcome:
+        progress = Progress()
+        accepted = self._admit(messages, progress)
+        if not accepted:
+            return finish(progress, self.stats)
+        # A poll interleaves partitions arbitrarily; scheduling in submission order lets an earlier request lead
+        # the later similar ones, as it would have had they arrived in separate polls (stable for equal times).
+        accepted.sort(key=lambda item: item[1].submitted_at)
+
+        try:
+            with METRICS.phase("embed"):
+                vectors = self._embed_requests([r for _, r in accepted])
+        except Exception as exc:
+            for m, request in accepted:
+                self._failed(m, progress, exc, request)
+            return finish(progress, self.stats)
+
+        self._schedule_groups(accepted, vectors, progress)
+        return finish(progress, self.stats)
+
+    def _admit(
+        self, messages: Sequence[Message], progress: Progress
+    ) -> list[tuple[Message, GenerationRequest]]:
+        """Parse and claim each message: the requests to schedule now (an invalid message is dead-lettered, a
+        duplicate skipped, a request another instance holds left for a retry)."""
+        accepted: list[tuple[Message, GenerationRequest]] = []
+        in_batch: set[str] = set()
+        for m in messages:
+            progress.seen(m)
+            self.stats.requests += 1
+            METRICS.requests_received.inc()
+            try:
+                request = parse_request(m.value)
+            except ContractError as exc:
+                try:
+                    self.dead_letters.send(m, exc.code, str(exc), exc.issues)
+                except Exception as dl_exc:
+                    log.warning(
+                        "could not dead-letter; will retry", extra={"offset": m.offset, "error": repr(dl_exc)}
+                    )
+                    progress.failed(m)
+                continue
+            try:
+                claim = self.ledger.begin(
+                    request.request_id, owner=self.instance, lease_s=self.settings.claim_lease_s
+                )
+            except Exception as exc:
+                self._failed(m, progress, exc, request)
+                continue
+            # A second copy within this poll finds our own fresh lease ("resumed"): it is a duplicate too.
+            if claim.outcome == "duplicate" or request.request_id in in_batch:
+                self.stats.duplicates += 1
+                METRICS.duplicates.inc()
+                log.info(
+                    "duplicate request skipped",
+                    extra={"request_id": request.request_id, "state": claim.state, "offset": m.offset},
+                )
+            elif claim.outcome == "busy":
+                self.stats.busy += 1
+                METRICS.retries.labels(cause="busy").inc()
+                log.info(
+                    "request is being scheduled by another instance; retrying later",
+                    extra={"request_id": request.request_id, "owner": claim.owner},
+                )
+                progress.failed(m)
+            else:
+                if claim.outcome == "resumed":
+                    log.info(
+                        "resuming a request whose scheduling did not finish",
+                        extra={"request_id": request.request_id, "previous_owner": claim.owner},
+                    )
+                accepted.append((m, request))
+                in_batch.add(request.request_id)
+        return accepted
+
+    def _schedule_groups(
+        self,
+        accepted: list[tuple[Message, GenerationRequest]],
+        vectors: dict[str, list[float]],
+        progress: Progress,
+    ) -> None:
+        """Schedule per compatibility key, under that key's ledger mutex and with the index held."""
+        groups: dict[str, list[tuple[Message, GenerationRequest]]] = defaultdict(list)
+        for m, request in accepted:
+            groups[request.compatibility_key].append((m, request))
+        for compat in sorted(groups):
+            pending = list(groups[compat])
+            try:
+                with (
+                    self.ledger.mutex(f"group:{compat}", ttl_s=self.settings.claim_lease_s),
+                    self.index.hold(),
+                ):
+                    while pending:
+                        m, request = pending[0]
+                        try:
+                            self._schedule(request, vectors.get(request.request_id))
+                        except Exception as exc:
+                            self._failed(m, progress, exc, request)
+                        pending.pop(0)
+            except Exception as exc:
+                for m, request in pending:
+                    self._failed(m, progress, exc, request)
+
+    def _failed(
+        self, m: Message, progress: Progress, exc: BaseException, request: GenerationRequest | None
+    ) -> None:
+        """A message could not be scheduled: retry it (transient), or dead-letter it after max_attempts."""
+        if request is not None:
+            try:
+                self.ledger.release(request.request_id)
+            except Exception as release_exc:  # the lease expires by itself
+                log.warning("could not release claim", extra={"error": repr(release_exc)})
+        key = (m.topic, m.partition, m.offset)
+        if transient(exc):
+            log.warning(
+                "a backing service failed; the message will be retried",
+                extra={"offset": m.offset, "partition": m.partition, "error": repr(exc)},
+            )
+            METRICS.retries.labels(cause="backing_service").inc()
+            progress.failed(m)
+            return
+        attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
+        log.error(
+            "scheduling failed",
+            exc_info=exc,
+            extra={"offset": m.offset, "attempt": attempts, "max_attempts": self.settings.max_attempts},
+        )
+        if attempts < self.settings.max_attempts:
+            METRICS.retries.labels(cause="error").inc()
+            progress.failed(m)
+            return
+        del self._attempts[key]
+        try:
+            self.dead_letters.send(m, "scheduling_failed", f"scheduling failed {attempts} times: {exc!r}", [])
+            if request is not None:
+                self.ledger.set_state(request.request_id, "dead_lettered")
+        except Exception as dl_exc:
+            log.warning("could not dead-letter; will retry", extra={"error": repr(dl_exc)})
+            progress.failed(m)
+
+    def _embed_requests(self, requests: Sequence[GenerationRequest]) -> dict[str, list[float]]:
+        wanted = [r for r in requests if r.reuse is ReusePolicy.AUTO]
+        prompts = sorted({r.prompt for r in wanted})
+        by_prompt = dict(zip(prompts, self.embedder.embed(prompts), strict=True))
+        return {r.request_id: by_prompt[r.prompt] for r in wanted}
+
+    def _candidates(self, vector: list[float], compat: str, tenant: str | None) -> list[Candidate]:
+        hits = self.index.search(
+            vector, compat_key=compat, tenant=tenant, limit=self.settings.search_limit, status="ready"
+        )
+        if self.settings.grouping:
+            hits += self.index.search(
+                vector, compat_key=compat, tenant=tenant, limit=self.settings.search_limit, status="running"
+            )
+        return [
+            Candidate(
+                request_id=h.entry.request_id,
+                prompt=h.entry.prompt,
+                tenant=h.entry.tenant,
+                similarity=_clamp(h.similarity),
+                ready=h.entry.ready,
+                trajectory_prefix=h.entry.trajectory_prefix,
+            )
+            for h in hits
+        ]
+
+    def decide(self, request: GenerationRequest, vector: list[float] | None) -> Decision:
+        """Search the index and choose (donor, role, plan) for one request; counts blocked cross-tenant gains."""
+        if request.reuse is ReusePolicy.OFF or vector is None:
+            return decide(request, [], self.planner, grouping=False)
+        compat = request.compatibility_key
+        cross = self.settings.cross_tenant_reuse
+        candidates = self._candidates(vector, compat, None if cross else request.tenant)
+        decision = decide(request, candidates, self.planner, grouping=self.settings.grouping)
+        blocked = False
+        if not cross:
+            everyone = self._candidates(vector, compat, None)
+            if any(c.tenant != request.tenant for c in everyone):
+                unrestricted = decide(request, everyone, self.planner, grouping=self.settings.grouping)
+                gain = blocked_gain(request.tenant, decision, unrestricted)
+                if gain > 0 and unrestricted.donor is not None:
+                    blocked = True
+                    self.stats.cross_tenant_blocked += 1
+                    log.info(
+                        "a better donor of another tenant was not used (cross-tenant reuse is off)",
+                        extra={
+                            "request_id": request.request_id,
+                            "tenant": request.tenant,
+                            "blocked_donor": unrestricted.donor.request_id,
+                            "blocked_tenant": unrestricted.donor.tenant,
+                            "blocked_similarity": round(unrestricted.donor.similarity, 4),
+                            "steps_forgone_estimate": gain,
+                        },
+                    )
+        METRICS.count_lookup(decision, cross_tenant_blocked=blocked)
+        return decision
+
+    def _schedule(self, request: GenerationRequest, vector: list[float] | None) -> None:
+        rid = request.request_id
+        with METRICS.phase("search"):
+            decision = self.decide(request, vector)
+        donor = decision.donor
+        leader_entry = None
+        if decision.role is Role.LEADER and vector is not None:
+            leader_entry = DonorEntry(
+                request_id=rid,
+                tenant=request.tenant,
+                compat_key=request.compatibility_key,
+                prompt=request.prompt,
+                trajectory_prefix=trajectory_prefix(rid),
+                status="running",
+                model=request.model,
+                num_steps=request.num_steps,
+                created_at=self.clock(),
+            )
+            self.index.upsert(leader_entry, vector)
+        order = WorkOrder(
+            request=request,
+            plan=decision.plan,
+            role=decision.role,
+            donor=None
+            if donor is None
+            else DonorRef(
+                request_id=donor.request_id,
+                similarity=donor.similarity,
+                trajectory_prefix=donor.trajectory_prefix,
+                wait_s=self.settings.follower_wait_s if decision.role is Role.FOLLOWER else 0.0,
+            ),
+        )
+        try:
+            with METRICS.phase("dispatch"):
+                self.dispatcher.generate(order)
+        except BaseException:
+            if leader_entry is not None:
+                self.index.delete([rid])
+            raise
+        self._record_dispatch(request, decision)
+        self._count(decision)
+        plan = decision.plan
+        log.info(
+            "request dispatched",
+            extra={
+                "request_id": rid,
+                "tenant": request.tenant,
+                "model": request.model,
+                "role": str(decision.role),
+                "donor": donor.request_id if donor else None,
+                "similarity": round(donor.similarity, 4) if donor else None,
+                "plan": f"k1={plan.stage1_steps} k2={plan.stage2_steps} k3={plan.stage3_steps} α={plan.alpha}",
+                "plan_row": decision.chosen.choice.row if decision.chosen else None,
+                "why": decision.reason,
+                "considered": [c.summary() for c in decision.considered],
+                "priority": request.priority,
+            },
+        )
+
+    def _record_dispatch(self, request: GenerationRequest, decision: Decision) -> None:
+        rid = request.request_id
+        donor = decision.donor
+        record = RequestRecord(
+            request_id=rid,
+            tenant=request.tenant,
+            prompt=request.prompt,
+            model=request.model,
+            compat_key=request.compatibility_key,
+            num_steps=request.num_steps,
+            reuse=str(request.reuse),
+            role=str(decision.role),
+            donor_id=donor.request_id if donor else None,
+            similarity=donor.similarity if donor else None,
+            planned_steps_saved=decision.steps_saved_estimate,
+            scheduler=self.instance,
+        )
+        # The order is on the broker: from here on the message counts as handled (a retry would duplicate
+        # the work), so the record is written with a few quick retries and a failure is only logged.
+        for attempt in range(3):
+            try:
+                self.ledger.record_dispatch(record)
+                break
+            except Exception as exc:
+                if attempt == 2:
+                    log.error(
+                        "order sent but its dispatch could not be recorded; its result will not be indexed",
+                        extra={"request_id": rid, "error": repr(exc)},
+                    )
+                time.sleep(0.1 * (attempt + 1))
+
+    def _count(self, decision: Decision) -> None:
+        self.stats.dispatched += 1
+        METRICS.count_dispatch(decision)
+        if decision.role is Role.LEADER:
+            self.stats.leaders += 1
+        elif decision.role is Role.FOLLOWER:
+            self.stats.followers += 1
+        if decision.donor is not None and decision.role is Role.SOLO:
+            self.stats.with_donor += 1
+        if not decision.plan.reuses:
+            self.stats.full += 1
