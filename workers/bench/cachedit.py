@@ -32,7 +32,9 @@ from typing import Any
 from producer.contract import GenerationRequest, ReusePlan
 from workers.bench.meter import BlockMeter
 from workers.engine.bundle import ModelBundle
-from workers.engine.engine import Engine, GenerationOutput, instrument
+from workers.engine.engine import Engine
+from workers.engine.instrumentation import instrument
+from workers.engine.output import GenerationOutput
 from workers.engine.trajectory import DonorSource
 
 # cache-dit logs INFO to stdout by default; the benchmark's stdout is JSON.

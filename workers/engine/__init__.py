@@ -33,9 +33,11 @@ Behaviour
     ``plan.tgaa_in_stage3``). Donor unavailable before Stage 1 ends → every step in full; a Stage-2 step whose
     donor data is unavailable → that step in full. Incompatible donor → ``IncompatibleDonor`` (raised).
 
-Modules: ``registry`` (models), ``engine`` (the loop), ``srd`` (gather/scatter hooks), ``tgaa`` (attn2
-processor: amplification, map recording, text K/V cache), ``masks``, ``tokens`` (prompt diff), ``trajectory``
-(records, metadata, serialization), ``errors``, ``bundle`` (the model interface), ``cli``.
+Modules: ``registry`` (models), ``engine`` (the loop), ``request_run`` (per-request state, donor resolution and
+Stage 1, donor reads), ``output`` (``GenerationOutput``, ``StepStat``), ``instrumentation`` (installs the hooks and
+processors), ``srd`` (gather/scatter hooks), ``tgaa`` (attn2 processor: amplification, map recording, text K/V
+cache), ``masks``, ``tokens`` (prompt diff), ``trajectory`` (records, metadata, serialization), ``errors``,
+``bundle`` (the model interface), ``cli``.
 
 Attributes are imported lazily so that ``import workers.engine`` (e.g. by the CLI) stays cheap.
 """
@@ -49,8 +51,8 @@ _EXPORTS = {
     "load_bundle": "workers.engine.registry",
     "LOADERS": "workers.engine.registry",
     "Engine": "workers.engine.engine",
-    "GenerationOutput": "workers.engine.engine",
-    "StepStat": "workers.engine.engine",
+    "GenerationOutput": "workers.engine.output",
+    "StepStat": "workers.engine.output",
     "DonorSource": "workers.engine.trajectory",
     "Trajectory": "workers.engine.trajectory",
     "TrajectoryMeta": "workers.engine.trajectory",
@@ -97,7 +99,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from workers.engine.bundle import ModelBundle, TextEncoding
-    from workers.engine.engine import Engine, GenerationOutput, StepStat
+    from workers.engine.engine import Engine
     from workers.engine.errors import (
         CorruptTrajectory,
         DonorError,
@@ -106,6 +108,7 @@ if TYPE_CHECKING:
         IncompatibleDonor,
         ModelUnavailable,
     )
+    from workers.engine.output import GenerationOutput, StepStat
     from workers.engine.registry import LOADERS, load_bundle
     from workers.engine.trajectory import (
         DonorSource,

@@ -2,90 +2,38 @@
 
 See ``workers.engine`` for the public API. One ``Engine`` per ``ModelBundle``; it instruments the bundle's
 transformer once (SRD hooks, cross-attention processors) and is not thread-safe: run one ``generate`` at a time.
+
+A request runs in the order of a diffusers pipeline's ``__call__``: encode the prompt, prepare the latents (and the
+scheduler), resolve the donor (Stage 1, ``workers.engine.request_run``), the denoising loop with step callbacks
+(Stages 2 and 3), decode.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from producer.contract import GenerationRequest, ReusePlan
 from workers.engine.bundle import ModelBundle, TextEncoding
-from workers.engine.errors import CorruptTrajectory, DonorUnavailable
-from workers.engine.masks import MaskSettings, build_mask, latent_mask, map_score, rows_for_positions
-from workers.engine.srd import SRDContext, apply_srd_hooks, remove_srd_hooks
-from workers.engine.tgaa import CrossAttnState, install_cross_attn_processors, restore_processors
-from workers.engine.tokens import TokenDiff, diff_tokens
-from workers.engine.trajectory import (
-    DonorSource,
-    StepRecord,
-    Trajectory,
-    TrajectoryMeta,
-    check_compatible,
-)
+from workers.engine.instrumentation import instrument, uninstrument
+from workers.engine.masks import MaskSettings, build_mask, latent_mask
+from workers.engine.output import GenerationOutput, StepStat
+from workers.engine.request_run import DONOR_PROBLEMS, RequestRun, Stage1, resolve_donor, set_timesteps
+from workers.engine.trajectory import DonorSource, StepRecord, Trajectory, TrajectoryMeta
+
+# GenerationOutput, StepStat and instrument lived here before their modules were split off; importers still use
+# this module for them.
+__all__ = ["Engine", "GenerationOutput", "StepStat", "instrument", "scheduler_hash", "uninstrument"]
 
 logger = logging.getLogger(__name__)
-
-_DONOR_PROBLEMS = (DonorUnavailable, CorruptTrajectory)
-
-
-@dataclass
-class StepStat:
-    index: int
-    stage: int  # 1, 2 or 3 as actually run (a request whose donor fell away runs everything as stage 3)
-    timestep: float
-    active_fraction: float  # fraction of latent tokens computed (0 for stage 1, 1 for a full step)
-    computed: bool  # whether a transformer pass ran
-    tgaa: bool  # whether amplification was on for this step
-    seconds: float  # wall time of the step, donor wait excluded
-    donor_wait_seconds: float = 0.0
-    fallback: str | None = None  # why this step was computed in full although the plan said otherwise
-
-
-@dataclass
-class GenerationOutput:
-    request_id: str
-    frames: np.ndarray  # uint8 (F, H, W, 3)
-    trajectory: Trajectory
-    steps: list[StepStat]
-    plan: ReusePlan
-    steps_requested: int
-    steps_computed: int  # transformer passes run (a partial SRD step counts as one; CFG is one batched pass)
-    tokens_computed_fraction: float  # mean over all requested steps of the computed token fraction
-    stage_seconds: dict[int, float]  # denoising wall time per stage (1, 2, 3)
-    encode_seconds: float  # prompt encoding
-    decode_seconds: float
-    fallback: str | None  # why (part of) the plan was not followed, if it was not
-    donor_request_id: str | None  # the donor actually used (None if none)
-    fps: int = 8
-
-    @property
-    def denoise_seconds(self) -> float:
-        return sum(self.stage_seconds.values())
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "frames": list(self.frames.shape),
-            "steps_requested": self.steps_requested,
-            "steps_computed": self.steps_computed,
-            "tokens_computed_fraction": round(self.tokens_computed_fraction, 4),
-            "stage_seconds": {str(k): round(v, 4) for k, v in self.stage_seconds.items()},
-            "encode_seconds": round(self.encode_seconds, 4),
-            "decode_seconds": round(self.decode_seconds, 4),
-            "fallback": self.fallback,
-            "donor": self.donor_request_id,
-        }
 
 
 def scheduler_hash(scheduler: Any) -> str:
@@ -95,71 +43,13 @@ def scheduler_hash(scheduler: Any) -> str:
 
 
 @dataclass
-class _Instrumentation:
-    srd: SRDContext
-    attn: CrossAttnState
-    previous_processors: dict[str, Any] = field(default_factory=dict)
+class _Denoised:
+    """What the denoising loop leaves for decoding and the output."""
 
-    def reset(self) -> None:
-        self.srd.deactivate()
-        self.srd.clear_text_cache()
-        self.attn.clear_amplification()
-        self.attn.stop_maps()
-        self.attn.clear_kv_cache()
-
-
-_ATTR = "_chorus_instrumentation"
-
-
-def instrument(transformer: Any) -> _Instrumentation:
-    """Install SRD hooks and cross-attention processors on ``transformer`` once; later calls reuse them."""
-    existing = getattr(transformer, _ATTR, None)
-    if isinstance(existing, _Instrumentation):
-        return existing
-    inst = _Instrumentation(SRDContext(), CrossAttnState())
-    apply_srd_hooks(transformer, inst.srd)
-    inst.previous_processors = install_cross_attn_processors(transformer, inst.attn)
-    setattr(transformer, _ATTR, inst)
-    return inst
-
-
-def uninstrument(transformer: Any) -> None:
-    inst = getattr(transformer, _ATTR, None)
-    if not isinstance(inst, _Instrumentation):
-        return
-    inst.reset()
-    remove_srd_hooks(transformer)
-    restore_processors(transformer, inst.previous_processors)
-    delattr(transformer, _ATTR)
-
-
-@dataclass
-class _Run:
-    """Per-request state of one ``generate`` call."""
-
-    request: GenerationRequest
-    plan: ReusePlan
-    cond: TextEncoding
-    text: torch.Tensor
-    cfg: bool
-    scheduler: Any
-    timesteps: torch.Tensor
-    latent_shape: tuple[int, int, int, int]
-    grid: tuple[int, int, int]
-    meta: TrajectoryMeta
-    donor: DonorSource | None = None
-    donor_meta: TrajectoryMeta | None = None
-    diff: TokenDiff | None = None
-    # the donor's latest attention maps read so far (step index, maps)
-    donor_maps: tuple[int, torch.Tensor] | None = None
-    own_prev_maps: torch.Tensor | None = None
-    # (donor map rows, target map rows) of the prompt tokens both requests share
-    map_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def seq_len(self) -> int:
-        f, h, w = self.grid
-        return f * h * w
+    x: torch.Tensor
+    stats: list[StepStat]
+    stage_seconds: dict[int, float]
+    fallback: list[str]
 
 
 class Engine:
@@ -220,19 +110,35 @@ class Engine:
         on_start: Callable[[Trajectory], None] | None,
         progress: bool,
     ) -> GenerationOutput:
-        b = self.bundle
         t_enc = time.perf_counter()
-        cond = b.encode_prompt(request.prompt)
-        cfg = request.guidance_scale > 1.0
-        embeds = [cond.embeddings]
-        if cfg:
-            embeds.append(b.encode_prompt(request.negative_prompt or "").embeddings)
-        text = torch.cat(embeds).to(b.device, b.dtype)
+        cond, text = self._encode_prompt(request)
         encode_s = time.perf_counter() - t_enc
+        run, noise = self._prepare(request, plan, cond, text)
+        # the donor and Stage 1 are resolved before anything is computed
+        start = resolve_donor(run, donor, noise, self.bundle)
+        traj = Trajectory(run.meta, start.initial.detach().cpu().reshape(run.latent_shape))
+        if on_start is not None:
+            on_start(traj)
+        denoised = self._denoise(run, start, traj, on_step, progress)
+        return self._finish(run, traj, denoised, encode_s)
 
+    def _encode_prompt(self, request: GenerationRequest) -> tuple[TextEncoding, torch.Tensor]:
+        """The prompt's encoding, and the text the transformer sees (CFG: the negative prompt as a second row)."""
+        b = self.bundle
+        cond = b.encode_prompt(request.prompt)
+        embeds = [cond.embeddings]
+        if request.guidance_scale > 1.0:
+            embeds.append(b.encode_prompt(request.negative_prompt or "").embeddings)
+        return cond, torch.cat(embeds).to(b.device, b.dtype)
+
+    def _prepare(
+        self, request: GenerationRequest, plan: ReusePlan, cond: TextEncoding, text: torch.Tensor
+    ) -> tuple[RequestRun, torch.Tensor]:
+        """The scheduler with its timesteps, the seeded initial noise and the trajectory's metadata."""
+        b = self.bundle
         scheduler = b.make_scheduler()
         sch_hash = scheduler_hash(scheduler)
-        timesteps = self._set_timesteps(scheduler, request.num_steps)
+        timesteps = set_timesteps(scheduler, request.num_steps, b.device)
         c, lf, lh, lw = b.latent_shape(request.num_frames, request.height, request.width)
         latent_shape = (c, lf, lh, lw)
         pt, ph, pw = self.patch
@@ -261,94 +167,59 @@ class Engine:
             valid=tuple(cond.valid),
             dtype=str(b.dtype).removeprefix("torch."),
         )
-        run = _Run(request, plan, cond, text, cfg, scheduler, timesteps, latent_shape, grid, meta)
+        cfg = request.guidance_scale > 1.0
+        run = RequestRun(request, plan, cond, text, cfg, scheduler, timesteps, latent_shape, grid, meta)
+        return run, noise
 
-        # --- resolve the donor and Stage 1 before anything is computed ------------------------------------
-        fallback: list[str] = []
-        k1, k2 = plan.stage1_steps, plan.stage2_steps
-        stage1_records: list[StepRecord] = []
-        x = noise.to(b.device)
-        initial = noise
-        stage1_s = 0.0
-        if plan.reuses:
-            if donor is None:
-                fallback.append("the plan reuses a donor but none was given: computed in full")
-            else:
-                t1 = time.perf_counter()
-                try:
-                    run.donor_meta = donor.metadata()
-                except _DONOR_PROBLEMS as exc:
-                    fallback.append(f"donor metadata unavailable ({exc}): computed in full")
-                if run.donor_meta is not None:
-                    check_compatible(run.donor_meta, meta)  # IncompatibleDonor propagates: the engine refuses
-                    run.donor = donor
-                    run.diff = diff_tokens(
-                        run.donor_meta.token_ids, run.donor_meta.valid, cond.token_ids, cond.valid
-                    )
-                    logger.info(
-                        "request %s: donor %s, differing tokens donor=%s target=%s",
-                        request.request_id,
-                        run.donor_meta.request_id,
-                        [run.donor_meta.tokens[p] for p in run.diff.donor_positions],
-                        [cond.tokens[p] for p in run.diff.target_positions],
-                    )
-                    # Stage 2 mixes in the donor's outputs, so even with k1 = 0 the run starts from its noise
-                    if k1 + k2 > 0:
-                        try:
-                            initial, x, stage1_records = self._replay_stage1(run, k1)
-                        except _DONOR_PROBLEMS as exc:
-                            fallback.append(
-                                f"donor unavailable before stage 1 ended ({exc}): computed in full"
-                            )
-                            run.donor, run.donor_meta, run.diff = None, None, None
-                            run.scheduler = b.make_scheduler()
-                            run.timesteps = self._set_timesteps(run.scheduler, request.num_steps)
-                            x, initial = noise.to(b.device), noise
-                stage1_s = time.perf_counter() - t1
-        if run.donor is None:
-            k1 = k2 = 0
-        else:
-            run.meta = meta = dataclasses.replace(
-                meta, initial_from=run.donor_meta.request_id if run.donor_meta else None
-            )
-        for fb in fallback:
-            logger.info("request %s: %s", request.request_id, fb)
+    def _denoise(
+        self,
+        run: RequestRun,
+        start: Stage1,
+        traj: Trajectory,
+        on_step: Callable[[StepRecord], None] | None,
+        progress: bool,
+    ) -> _Denoised:
+        """Record Stage 1's replayed steps, then compute Stage 2 and Stage 3; every step goes to the trajectory
+        and to ``on_step``, in order."""
+        k1, k2 = start.stage1_steps, start.stage2_steps
+        done = _Denoised(start.x, [], {1: start.seconds, 2: 0.0, 3: 0.0}, list(start.fallback))
 
-        traj = Trajectory(meta, initial.detach().cpu().reshape(latent_shape))
-        if on_start is not None:
-            on_start(traj)
-
-        stats: list[StepStat] = []
-        stage_seconds = {1: stage1_s, 2: 0.0, 3: 0.0}
-        for rec in stage1_records:
+        def record(rec: StepRecord, stat: StepStat) -> None:
+            done.stats.append(stat)
             traj.append(rec)
-            stats.append(StepStat(rec.index, 1, rec.timestep, 0.0, False, False, stage1_s / max(1, k1)))
             if on_step is not None:
                 on_step(rec)
 
-        bar_ctx = _progress(request.num_steps, request.request_id) if progress else nullcontext(None)
+        for rec in start.records:
+            record(rec, StepStat(rec.index, 1, rec.timestep, 0.0, False, False, start.seconds / max(1, k1)))
+
+        n = run.request.num_steps
+        bar_ctx = _progress(n, run.request.request_id) if progress else nullcontext(None)
         with bar_ctx as advance:
             if advance is not None:
                 advance(k1)
-            for i in range(k1, request.num_steps):
+            for i in range(k1, n):
                 stage = 2 if i < k1 + k2 else 3
                 if stage == 2:
-                    x, rec, stat = self._stage2_step(run, i, x, stage2_index=i - k1)
+                    done.x, rec, stat = self._stage2_step(run, i, done.x, stage2_index=i - k1)
                 else:
-                    tgaa = run.donor is not None and plan.tgaa_in_stage3
-                    x, rec, stat = self._full_step(run, i, x, stage=3, tgaa=tgaa)
+                    tgaa = run.donor is not None and run.plan.tgaa_in_stage3
+                    done.x, rec, stat = self._full_step(run, i, done.x, stage=3, tgaa=tgaa)
                 if stat.fallback:
-                    fallback.append(stat.fallback)
-                stage_seconds[stage] += stat.seconds
-                stats.append(stat)
-                traj.append(rec)
-                if on_step is not None:
-                    on_step(rec)
+                    done.fallback.append(stat.fallback)
+                done.stage_seconds[stage] += stat.seconds
+                record(rec, stat)
                 if advance is not None:
                     advance(1)
+        return done
 
+    def _finish(
+        self, run: RequestRun, traj: Trajectory, done: _Denoised, encode_s: float
+    ) -> GenerationOutput:
+        """Decode the final latent and sum the run up."""
+        b, request, stats = self.bundle, run.request, done.stats
         t_dec = time.perf_counter()
-        frames = b.decode(x.to(b.device))
+        frames = b.decode(done.x.to(b.device))
         decode_s = time.perf_counter() - t_dec
         n = request.num_steps
         out = GenerationOutput(
@@ -356,14 +227,14 @@ class Engine:
             frames=frames,
             trajectory=traj,
             steps=stats,
-            plan=plan,
+            plan=run.plan,
             steps_requested=n,
             steps_computed=sum(1 for s in stats if s.computed),
             tokens_computed_fraction=sum(s.active_fraction for s in stats) / n,
-            stage_seconds=stage_seconds,
+            stage_seconds=done.stage_seconds,
             encode_seconds=encode_s,
             decode_seconds=decode_s,
-            fallback="; ".join(fallback) if fallback else None,
+            fallback="; ".join(done.fallback) if done.fallback else None,
             donor_request_id=run.donor_meta.request_id if run.donor is not None and run.donor_meta else None,
             fps=b.fps,
         )
@@ -380,58 +251,8 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------------------------------------------
-    def _set_timesteps(self, scheduler: Any, num_steps: int) -> torch.Tensor:
-        scheduler.set_timesteps(num_steps, device=self.bundle.device)
-        if hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(0)
-        timesteps: torch.Tensor = scheduler.timesteps
-        return timesteps
-
-    def _check_shape(self, run: _Run, t: torch.Tensor, what: str) -> torch.Tensor:
-        if tuple(t.shape) != run.latent_shape:
-            raise CorruptTrajectory(f"donor {what} has shape {tuple(t.shape)}, expected {run.latent_shape}")
-        return t
-
-    def _remember_donor_maps(self, run: _Run, rec: StepRecord) -> None:
-        if rec.attn_maps is not None and run.donor_meta is not None:
-            expect = (sum(run.donor_meta.valid), run.seq_len)
-            if tuple(rec.attn_maps.shape) != expect:
-                raise CorruptTrajectory(
-                    f"donor attention maps have shape {tuple(rec.attn_maps.shape)}, expected {expect}"
-                )
-            if run.donor_maps is None or rec.index >= run.donor_maps[0]:
-                run.donor_maps = (rec.index, rec.attn_maps)
-
-    def _replay_stage1(self, run: _Run, k1: int) -> tuple[torch.Tensor, torch.Tensor, list[StepRecord]]:
-        """Start from the donor's initial latent and advance the scheduler through its first k1 steps (so that a
-        multistep scheduler holds the donor's history); the latent becomes the donor's latent after step k1."""
-        assert run.donor is not None
-        dev = self.bundle.device
-        initial = self._check_shape(run, run.donor.initial_latent(), "initial latent")
-        x = initial.to(dev, torch.float32)[None]
-        records = []
-        for i in range(k1):
-            rec = run.donor.step(i)
-            self._remember_donor_maps(run, rec)
-            out = self._check_shape(run, rec.model_output, "model output").to(dev, torch.float32)[None]
-            run.scheduler.step(out, run.timesteps[i], x, return_dict=False)
-            x = self._check_shape(run, rec.latent_after, "latent").to(dev, torch.float32)[None]
-            records.append(
-                StepRecord(
-                    i,
-                    float(run.timesteps[i]),
-                    rec.latent_after,
-                    rec.model_output,
-                    None,
-                    stage=1,
-                    active_fraction=0.0,
-                )
-            )
-        logger.info("request %s: stage 1 reused %d donor steps", run.request.request_id, k1)
-        return initial, x, records
-
     def _forward(
-        self, run: _Run, x: torch.Tensor, t: torch.Tensor, active: torch.Tensor | None, record: bool
+        self, run: RequestRun, x: torch.Tensor, t: torch.Tensor, active: torch.Tensor | None, record: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One transformer pass (CFG batched: row 0 conditional, row 1 unconditional) → (guided velocity, maps)."""
         b = self.bundle
@@ -457,7 +278,7 @@ class Engine:
             pred = uncond + run.request.guidance_scale * (cond - uncond)
         return pred, maps
 
-    def _amplify(self, run: _Run, on: bool) -> bool:
+    def _amplify(self, run: RequestRun, on: bool) -> bool:
         if not on or run.diff is None:
             self._inst.attn.clear_amplification()
             return False
@@ -473,7 +294,7 @@ class Engine:
 
     def _full_step(
         self,
-        run: _Run,
+        run: RequestRun,
         i: int,
         x: torch.Tensor,
         *,
@@ -512,42 +333,17 @@ class Engine:
         run.own_prev_maps = rec.attn_maps
         return x, rec, stat
 
-    def _donor_maps_at(self, run: _Run, i: int) -> torch.Tensor | None:
-        """The donor's maps at step i, else at the latest earlier step that had them (steps are read in order)."""
-        if run.donor_maps is not None and run.donor_maps[0] <= i:
-            return run.donor_maps[1]
-        return None
-
-    def _aligned_donor_maps(self, run: _Run, dmaps: torch.Tensor | None) -> torch.Tensor:
-        """Donor maps re-indexed to this request's valid tokens (matched tokens only; zeros elsewhere)."""
-        assert run.donor_meta is not None and run.diff is not None
-        out = torch.zeros(sum(run.cond.valid), run.seq_len)
-        if dmaps is None:
-            return out
-        if run.map_rows is None:
-            drow = {p: r for r, p in enumerate(run.donor_meta.valid_positions)}
-            trow = {p: r for r, p in enumerate(run.meta.valid_positions)}
-            pairs = [(drow[d], trow[t]) for d, t in run.diff.matched if d in drow and t in trow]
-            run.map_rows = (
-                torch.tensor([p[0] for p in pairs], dtype=torch.long),
-                torch.tensor([p[1] for p in pairs], dtype=torch.long),
-            )
-        src, dst = run.map_rows
-        if src.numel():
-            out[dst] = dmaps[src].float()
-        return out
-
     def _stage2_step(
-        self, run: _Run, i: int, x: torch.Tensor, stage2_index: int
+        self, run: RequestRun, i: int, x: torch.Tensor, stage2_index: int
     ) -> tuple[torch.Tensor, StepRecord, StepStat]:
         assert run.donor is not None and run.donor_meta is not None and run.diff is not None
         plan = run.plan
         t_wait = time.perf_counter()
         try:
             drec = run.donor.step(i)
-            donor_out = self._check_shape(run, drec.model_output, "model output")
-            self._remember_donor_maps(run, drec)
-        except _DONOR_PROBLEMS as exc:
+            donor_out = run.check_shape(drec.model_output, "model output")
+            run.remember_donor_maps(drec)
+        except DONOR_PROBLEMS as exc:
             wait = time.perf_counter() - t_wait
             reason = f"step {i}: donor step unavailable ({exc}): computed in full"
             logger.info("request %s: %s", run.request.request_id, reason)
@@ -556,8 +352,8 @@ class Engine:
 
         t0 = time.perf_counter()
         t = run.timesteps[i]
-        dmaps = self._donor_maps_at(run, i)
-        score = self._score(run, dmaps)
+        dmaps = run.donor_maps_at(i)
+        score = run.score(dmaps)
         settings = MaskSettings(
             threshold=plan.mask_threshold,
             dilation=plan.mask_dilation,
@@ -568,28 +364,9 @@ class Engine:
         mask, _ = build_mask(score, run.grid, settings, stage2_index)
         n_active = int(mask.sum())
         s_len = run.seq_len
-        dev = self.bundle.device
-        donor_out_d = donor_out.to(dev, torch.float32)[None]
-        own_maps = self._aligned_donor_maps(run, dmaps) if self.record_attn_maps else None
-        amplified = False
-        if n_active == 0:
-            pred = donor_out_d
-        else:
-            amplified = self._amplify(run, True)
-            try:
-                if n_active == s_len:
-                    pred, maps = self._forward(run, x, t, None, self.record_attn_maps)
-                    if maps is not None:
-                        own_maps = maps.cpu()
-                else:
-                    idx = mask.nonzero().squeeze(1)
-                    computed, maps = self._forward(run, x, t, idx.to(dev), self.record_attn_maps)
-                    lm = latent_mask(mask, run.grid, self.patch).to(dev)
-                    pred = torch.where(lm, computed, donor_out_d)
-                    if maps is not None and own_maps is not None:
-                        own_maps[:, idx] = maps.cpu()
-            finally:
-                self._inst.attn.clear_amplification()
+        donor_out_d = donor_out.to(self.bundle.device, torch.float32)[None]
+        own_maps = run.aligned_donor_maps(dmaps) if self.record_attn_maps else None
+        pred, own_maps, amplified = self._masked_prediction(run, x, t, mask, donor_out_d, own_maps)
         x = run.scheduler.step(pred, t, x, return_dict=False)[0]
         fraction = n_active / s_len
         rec = StepRecord(
@@ -615,26 +392,38 @@ class Engine:
         stat = StepStat(i, 2, float(t), fraction, n_active > 0, amplified, time.perf_counter() - t0, wait)
         return x, rec, stat
 
-    def _score(self, run: _Run, dmaps: torch.Tensor | None) -> torch.Tensor | None:
-        """Divergence score per latent token; None when differing tokens exist but none has a map yet."""
-        assert run.diff is not None and run.donor_meta is not None
-        d_rows = rows_for_positions(run.donor_meta.valid, run.diff.donor_positions)
-        t_rows = rows_for_positions(run.cond.valid, run.diff.target_positions)
-        sources = []
-        missing = False
-        for maps, rows in ((dmaps, d_rows), (run.own_prev_maps, t_rows)):
-            if not rows:
-                continue
-            score = map_score(maps, rows) if maps is not None else None
-            if score is None:
-                missing = True
+    def _masked_prediction(
+        self,
+        run: RequestRun,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        mask: torch.Tensor,
+        donor_out: torch.Tensor,
+        own_maps: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """A Stage 2 step's velocity: computed (with TGAA) on the mask's tokens, the donor's output elsewhere —
+        the donor's alone for an empty mask, one plain pass for a full one. Returns it with this request's maps
+        (the donor's aligned maps, the computed tokens' columns overwritten) and whether TGAA was on."""
+        n_active = int(mask.sum())
+        if n_active == 0:
+            return donor_out, own_maps, False
+        dev = self.bundle.device
+        amplified = self._amplify(run, True)
+        try:
+            if n_active == run.seq_len:
+                pred, maps = self._forward(run, x, t, None, self.record_attn_maps)
+                if maps is not None:
+                    own_maps = maps.cpu()
             else:
-                sources.append(score)
-        if sources:
-            return torch.stack(sources).amax(dim=0)
-        if missing:
-            return None
-        return torch.zeros(run.seq_len)  # prompts do not differ: nothing diverges
+                idx = mask.nonzero().squeeze(1)
+                computed, maps = self._forward(run, x, t, idx.to(dev), self.record_attn_maps)
+                lm = latent_mask(mask, run.grid, self.patch).to(dev)
+                pred = torch.where(lm, computed, donor_out)
+                if maps is not None and own_maps is not None:
+                    own_maps[:, idx] = maps.cpu()
+        finally:
+            self._inst.attn.clear_amplification()
+        return pred, own_maps, amplified
 
 
 @contextmanager
