@@ -221,7 +221,7 @@ def bench_engine(
     """Time full and SRD steps of the engine (tiny and a Wan2.1-1.3B-width config); print trajectory sizes."""
     import torch
 
-    from workers.bench.engine import run_bench
+    from workers.bench.engine_bench import run_bench
 
     if threads is not None:
         torch.set_num_threads(threads)
