@@ -15,55 +15,57 @@ Order of work for each step count N:
 A plan that does not reuse gives exactly the no-reuse (or cache-dit-alone) clip — the engine ignores the donor
 and everything is seeded — so such outcomes are copied rather than recomputed; ``reused_fraction`` tells how many
 requests of a row really used their donor.
+
+Modules: this one (configuration, the ``Suite`` holding the runner and cache-dit engines, targets, the report),
+``suite_calibration`` (``--calibrate``), ``suite_rows`` (the rows of one step count, one method per row kind),
+``pair_facts`` (similarity and word changes of each pair).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from chorus_sched.embedding import MiniLMEmbedder, token_diff
 from chorus_sched.planner import CalibrationTable, Planner, load_calibration, write_calibration
-from producer.contract import ReusePlan
 from workers.bench import calibrate as cal
 from workers.bench.cachedit import CacheDiTEngine, CacheDiTSettings
-from workers.bench.contact import SheetGroup, SheetRow, write_sheet
-from workers.bench.pairs import (
-    CALIBRATION_SEED_BASE,
-    CALIBRATION_SET_SEED,
-    NEGATIVE_CLASSES,
-    NEGATIVE_SEED_BASE,
-    NEGATIVE_SET_SEED,
-    PAIR_CLASSES,
-    Pair,
-    Target,
-    eval_targets,
-    make_negative_pairs,
-    make_pairs,
-)
-from workers.bench.runner import Outcome, Row, Runner, plan_dict, plan_label
+from workers.bench.pair_facts import class_report, pair_facts
+from workers.bench.pairs import PAIR_CLASSES, Pair, eval_targets, make_pairs
+from workers.bench.runner import Outcome, Runner
+from workers.bench.suite_calibration import Calibration
+from workers.bench.suite_rows import PROBE_K1, PROBE_K2, StepCountBench
 from workers.engine.bundle import ModelBundle
 from workers.engine.trajectory import Trajectory
 from workers.toy.world import ATTRIBUTE_NAMES
+
+# PROBE_K1/PROBE_K2 are defined with the rows that use them; ``chorus bench quality`` reports them from here.
+__all__ = [
+    "ATTRIBUTE_CHANGING",
+    "FORMAT",
+    "PROBE_K1",
+    "PROBE_K2",
+    "ROW_KINDS",
+    "TARGET_ALL_CORRECT",
+    "BenchConfig",
+    "Progress",
+    "Suite",
+    "dumps",
+    "evaluate_targets",
+    "run",
+]
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "chorus-bench-quality/1"
 ROW_KINDS: tuple[str, ...] = ("no-reuse", "chorus", "tgaa", "cachedit", "chorus-cachedit", "sheet")
-SHEET_CLASSES: tuple[str, ...] = ("one-attribute", "two-attributes", "paraphrase", "same-prompt")
 ATTRIBUTE_CHANGING: tuple[str, ...] = ("one-attribute", "two-attributes", "reworded-one-attribute")
-PROBE_K1, PROBE_K2 = 0.25, 0.5
 TARGET_ALL_CORRECT = {4: 0.90, 50: 0.95}
 
 
@@ -138,64 +140,11 @@ class Progress:
             Console(stderr=True).print(message)
 
 
-@dataclass
-class PairInfo:
-    pair: Pair
-    similarity: float
-    changes: int
-
-
-def pair_facts(pairs: Sequence[Pair], ignorable: Sequence[str]) -> list[PairInfo]:
-    """MiniLM similarity and content-word changes of every pair — what the scheduler computes."""
-    embedder = MiniLMEmbedder()
-    texts = sorted({p.donor_prompt for p in pairs} | {p.target.prompt for p in pairs})
-    vectors = dict(zip(texts, np.asarray(embedder.embed(texts), dtype=np.float64), strict=True))
-    ign = frozenset(w.casefold() for w in ignorable)
-    out = []
-    for p in pairs:
-        sim = float(np.clip(vectors[p.donor_prompt] @ vectors[p.target.prompt], -1.0, 1.0))
-        out.append(PairInfo(p, sim, token_diff(p.donor_prompt, p.target.prompt).content_changes(ign)))
-    return out
-
-
-def class_report(infos: Sequence[PairInfo], planner: Planner | None, steps: Sequence[int]) -> dict[str, Any]:
-    report: dict[str, Any] = {}
-    for cls in dict.fromkeys(i.pair.pair_class for i in infos):
-        group = [i for i in infos if i.pair.pair_class == cls]
-        sims = [i.similarity for i in group]
-        changes = [i.changes for i in group]
-        entry: dict[str, Any] = {
-            "n": len(group),
-            "similarity": {
-                "mean": round(float(np.mean(sims)), 4),
-                "min": round(min(sims), 4),
-                "max": round(max(sims), 4),
-            },
-            "content_changes": {
-                "mean": round(float(np.mean(changes)), 3),
-                "min": min(changes),
-                "max": max(changes),
-            },
-        }
-        if planner is not None:
-            for n in steps:
-                chosen = Counter(
-                    planner.plan(i.similarity, token_diff(i.pair.donor_prompt, i.pair.target.prompt), n).row
-                    or "none"
-                    for i in group
-                )
-                entry[f"planner_rows_{n}"] = dict(sorted(chosen.items()))
-        report[cls] = entry
-    return report
-
-
-def _copy_outcome(o: Outcome) -> Outcome:
-    c = copy.copy(o)
-    c.reused = False
-    return c
-
-
 class Suite:
+    """The benchmark's models and engines: one runner (``Engine.generate`` and the checker) and the cache-dit
+    engines, shared by the calibration (``workers.bench.suite_calibration``) and the rows
+    (``workers.bench.suite_rows``)."""
+
     def __init__(self, config: BenchConfig, progress: Progress) -> None:
         self.cfg = config
         self.progress = progress
@@ -226,414 +175,28 @@ class Suite:
         assert out.trajectory is not None
         return out, out.trajectory
 
-    # ------------------------------------------------------------------------------------------------------
     def calibrate(self, ignorable: Sequence[str]) -> tuple[CalibrationTable, dict[str, Any]]:
-        cfg = self.cfg
-        targets = eval_targets(
-            cfg.calibration_prompts,
-            cfg.calibration_seeds,
-            set_seed=CALIBRATION_SET_SEED,
-            seed_base=CALIBRATION_SEED_BASE,
-        )
-        negative_targets = (
-            eval_targets(cfg.negative_prompts, set_seed=NEGATIVE_SET_SEED, seed_base=NEGATIVE_SEED_BASE)
-            if cfg.negative_prompts
-            else []
-        )
-        everything = pair_facts(
-            make_pairs(targets, cfg.classes, seed=1) + make_negative_pairs(negative_targets, seed=2),
-            ignorable,
-        )
-        infos = [i for i in everything if i.pair.pair_class in cfg.classes]
-        negatives = [i for i in everything if i.pair.pair_class in NEGATIVE_CLASSES]
-        facts = [cal.PairFacts(i.pair, i.similarity, i.changes) for i in infos]
-        specs = cal.derive_rows(
-            facts,
-            [cal.PairFacts(i.pair, i.similarity, i.changes) for i in negatives],
-            cfg.min_row_pairs,
-        )
-        kept = {s.name for s in specs}
-        dropped = [s.name for s in cal.class_rows(facts) if s.name not in kept]
-        negatives_at: dict[str, Counter[str]] = {s.name: Counter() for s in specs}
-        for info in negatives:
-            spec = cal.route(specs, info.similarity, info.changes)
-            if spec is not None:
-                negatives_at[spec.name][info.pair.pair_class] += 1
-        routed: dict[str, list[PairInfo]] = {s.name: [] for s in specs}
-        for info in infos:
-            spec = cal.route(specs, info.similarity, info.changes)
-            if spec is not None:
-                routed[spec.name].append(info)
-        report: dict[str, Any] = {
-            "set": {
-                "prompts": cfg.calibration_prompts,
-                "seeds": cfg.calibration_seeds,
-                "set_seed": CALIBRATION_SET_SEED,
-                "seed_base": CALIBRATION_SEED_BASE,
-            },
-            "tolerance": cfg.tolerance,
-            "rows": [
-                {
-                    "name": s.name,
-                    "min_similarity": s.min_similarity,
-                    "max_content_changes": s.max_content_changes,
-                    "drawn_from": list(s.classes),
-                    "negatives_max_similarity": s.negatives_max_similarity,
-                    "routed_pairs": dict(Counter(i.pair.pair_class for i in routed[s.name])),
-                    "routed_negatives": dict(negatives_at[s.name]),
-                }
-                for s in specs
-            ],
-            "min_row_pairs": cfg.min_row_pairs,
-            "dropped_rows": dropped,
-            "negative_set": {
-                "prompts": cfg.negative_prompts,
-                "set_seed": NEGATIVE_SET_SEED,
-                "classes": list(NEGATIVE_CLASSES),
-            },
-            "pair_classes": class_report(infos, None, []),
-            "negative_classes": class_report(negatives, None, []) if negatives else {},
-            "regimes": [],
-        }
-        regimes: list[tuple[str, int, list[Any]]] = []
-        for name, n, _ in cal.regime_bounds(cfg.steps):
-            with self.progress.phase(f"calibration N={n}: no reuse", len(targets)) as tick:
-                base: dict[int, bool] = {}
-                for t in targets:
-                    base[t.index] = self.runner.run(t.prompt, t.seed, n, t.attributes).correct["all"]
-                    tick()
-            rows = []
-            regime_report: dict[str, Any] = {"name": name, "steps": n, "rows": []}
-            for spec in specs:
-                items = routed[spec.name]
-                if not spec.calibrated or not items:
-                    rows.append(cal.table_row(spec, n, None, None))
-                    regime_report["rows"].append({"name": spec.name, "chosen": None, "pairs": len(items)})
-                    continue
-                items = sorted(
-                    items, key=lambda i: (i.pair.target.index, PAIR_CLASSES.index(i.pair.pair_class))
-                )
-                donors: list[Trajectory] = []
-                with self.progress.phase(f"calibration N={n} {spec.name}: donors", len(items)) as tick:
-                    for info in items:
-                        donors.append(self.donor(info.pair, n)[1])
-                        tick()
-                baseline = [base[i.pair.target.index] for i in items]
+        return Calibration(self, ignorable).run()
 
-                def evaluate(
-                    k: int,
-                    plan: ReusePlan,
-                    items: list[PairInfo] = items,
-                    donors: list[Trajectory] = donors,
-                    n: int = n,
-                ) -> tuple[bool, int, float, float]:
-                    t = items[k].pair.target
-                    o = self.runner.run(t.prompt, t.seed, n, t.attributes, plan=plan, donor=donors[k])
-                    return o.correct["all"], o.steps_computed, o.tokens_fraction, o.block_fraction
-
-                k1f, k2f, alphas, thresholds = cfg.grid(n)
-                grid = cal.candidates(n, k1f, k2f, alphas, thresholds)
-                with self.progress.phase(f"calibration N={n} {spec.name}: candidates", len(grid)) as tick:
-                    chosen, trials = cal.sweep(
-                        n, grid, baseline, evaluate, cfg.tolerance, on_trial=lambda _t: tick()
-                    )
-                del donors
-                base_acc = sum(baseline) / len(baseline)
-                measured: dict[str, float] = {
-                    "steps": float(n),
-                    "pairs": float(len(items)),
-                    "no_reuse_all_correct": round(base_acc, 4),
-                    "similarity_min": round(min(i.similarity for i in items), 4),
-                    "candidates_tried": float(len(trials)),
-                }
-                for cls, count in Counter(i.pair.pair_class for i in items).items():
-                    measured[f"pairs_{cls}"] = float(count)
-                win = next((tr for tr in trials if tr.passed and tr.candidate == chosen), None)
-                if win is not None:
-                    measured.update(
-                        {
-                            "reuse_all_correct": round((win.evaluated - win.wrong) / win.evaluated, 4),
-                            "delta_all_correct": round(
-                                (win.evaluated - win.wrong) / win.evaluated - base_acc, 4
-                            ),
-                            "steps_computed_mean": round(win.steps_computed_mean, 3),
-                            "tokens_computed_fraction_mean": round(win.tokens_fraction_mean, 4),
-                        }
-                    )
-                rows.append(cal.table_row(spec, n, chosen, measured))
-                regime_report["rows"].append(
-                    {
-                        "name": spec.name,
-                        "pairs": len(items),
-                        "no_reuse_all_correct": round(base_acc, 4),
-                        "chosen": win.as_dict(n) if win is not None else None,
-                        "trials": [tr.as_dict(n) for tr in trials],
-                    }
-                )
-            regimes.append((name, n, rows))
-            report["regimes"].append(regime_report)
-        note = (
-            "Measured by `chorus bench quality --calibrate` on the toy model "
-            f"(weights {self.cfg.weights.get('weights_id', '?')[:12]}, guidance {cfg.guidance:g}, judged on "
-            f"{'+'.join(cfg.judge)}): per regime, each row is the most reuse whose all-attribute accuracy on the calibration pairs the row admits stays within "
-            f"{cfg.tolerance * 100:g} point(s) of no reuse on the same targets and seeds (k1 = k2 = 0: nothing "
-            f"passed). Rows are drawn from the measured pair classes; '{cal.BLOCKER}' never reuses (changes below the "
-            "measured similarities, or 3 content words, were not measured); each reusing row admits only "
-            f"similarities above every unmeasured change (3-4 attributes, or 2-4 reworded; {cfg.negative_prompts} "
-            f"captions) that would reach it, and rows left with under {cfg.min_row_pairs} measured pairs are "
-            f"dropped{' (here: ' + ', '.join(dropped) + ')' if dropped else ''}. See workers/bench/calibrate.py."
-        )
-        table = cal.build_table(regimes, cfg.command, note, ignorable)
-        return table, report
-
-    # ------------------------------------------------------------------------------------------------------
     def bench(self, planner: Planner, ignorable: Sequence[str]) -> dict[str, Any]:
         cfg = self.cfg
         targets = eval_targets(cfg.prompts, cfg.seeds)
         infos = pair_facts(make_pairs(targets, cfg.classes), ignorable)
-        want = set(cfg.rows)
-        sheet_targets = {t.index for t in targets[: cfg.sheet_prompts]} if "sheet" in want else set()
-        frames: dict[tuple[int, int, str], tuple[np.ndarray, Outcome, str]] = {}
+        sheet_targets = {t.index for t in targets[: cfg.sheet_prompts]} if "sheet" in cfg.rows else set()
         rows: list[dict[str, Any]] = []
         sheets: list[dict[str, Any]] = []
-        summary: dict[str, Any] = {}
         for n in cfg.steps:
-            base_row = Row(f"no-reuse@{n}", "no-reuse", n, description="every step in full, no donor")
-            with self.progress.phase(f"N={n}: no reuse", len(targets)) as tick:
-                for t in targets:
-                    keep = t.index in sheet_targets
-                    o = self.runner.run(t.prompt, t.seed, n, t.attributes, keep_frames=keep)
-                    if keep and o.frames is not None:
-                        frames[(n, t.index, "no-reuse")] = (o.frames, o, "no reuse")
-                    base_row.add(o)
-                    tick()
-            base_all = {t.index: o.correct["all"] for t, o in zip(targets, base_row.outcomes, strict=True)}
-            base_by_index = dict(zip([t.index for t in targets], base_row.outcomes, strict=True))
-            rows.append(base_row.summary())
-
-            cache_alone: dict[int, Outcome] = {}
-            if "cachedit" in want or "chorus-cachedit" in want:
-                for w, settings in enumerate(cfg.cachedit):
-                    if w > 0 and "cachedit" not in want:
-                        break
-                    engine = self.cached_engine(n, w)
-                    row = Row(
-                        f"cachedit-r{settings.residual_diff_threshold:g}@{n}",
-                        "cachedit",
-                        n,
-                        description="cache-dit DBCache alone",
-                        extra={"cachedit_settings": settings.describe(n)},
-                    )
-                    with self.progress.phase(
-                        f"N={n}: cache-dit r={settings.residual_diff_threshold:g}", len(targets)
-                    ) as tick:
-                        for t in targets:
-                            keep = w == 0 and t.index in sheet_targets
-                            o = self.runner.run(
-                                t.prompt, t.seed, n, t.attributes, cached=engine, keep_frames=keep
-                            )
-                            if keep and o.frames is not None:
-                                frames[(n, t.index, "cachedit")] = (
-                                    o.frames,
-                                    o,
-                                    f"cache-dit r={settings.residual_diff_threshold:g}",
-                                )
-                            if w == 0:
-                                cache_alone[t.index] = o
-                            row.add(o)
-                            tick()
-                    if "cachedit" in want:
-                        rows.append(row.summary([base_all[t.index] for t in targets]))
-
-            pooled = Row(
-                f"chorus@{n}", "chorus", n, "all", "planner defaults over every pair class (reuse-heavy set)"
-            )
-            pooled_base: list[bool] = []
-            probe = ReusePlan(
-                stage1_steps=math.floor(PROBE_K1 * n),
-                stage2_steps=math.floor(PROBE_K2 * n),
-                stage3_steps=n - math.floor(PROBE_K1 * n) - math.floor(PROBE_K2 * n),
-            )
-            for cls in cfg.classes:
-                group = [i for i in infos if i.pair.pair_class == cls]
-                chorus = Row(
-                    f"chorus/{cls}@{n}", "chorus", n, cls, "planner's plan from the calibration table"
-                )
-                alpha1 = Row(
-                    f"chorus-alpha1/{cls}@{n}",
-                    "chorus-alpha1",
-                    n,
-                    cls,
-                    "planner's plan with alpha=1 (TGAA off), where it has alpha>1 and a Stage 2",
-                )
-                probes = {
-                    a: Row(
-                        f"probe-alpha{a:g}/{cls}@{n}",
-                        "probe",
-                        n,
-                        cls,
-                        f"fixed plan {plan_label(probe.model_copy(update={'alpha': a}))}",
-                        extra={"plan": plan_dict(probe.model_copy(update={"alpha": a}))},
-                    )
-                    for a in cfg.ablation_alphas
-                }
-                combined = Row(
-                    f"chorus+cachedit/{cls}@{n}",
-                    "chorus+cachedit",
-                    n,
-                    cls,
-                    "planner's plan, cache-dit on the computed passes",
-                )
-                plans: Counter[str] = Counter()
-                alpha1_base: list[bool] = []
-                run_probe = "tgaa" in want and cls != "same-prompt" and probe.reuses
-                with self.progress.phase(f"N={n}: {cls}", len(group)) as tick:
-                    for info in group:
-                        t = info.pair.target
-                        keep = t.index in sheet_targets and cls == SHEET_CLASSES[t.index % len(SHEET_CLASSES)]
-                        choice = planner.plan(
-                            info.similarity, token_diff(info.pair.donor_prompt, t.prompt), n
-                        )
-                        plan = choice.plan
-                        plans[plan_label(plan)] += 1
-                        needs_donor = plan.reuses or run_probe
-                        donor: Trajectory | None = None
-                        if needs_donor and ({"chorus", "tgaa", "chorus-cachedit"} & want):
-                            d_out, donor = self.donor(info.pair, n, keep_frames=keep)
-                            if keep and d_out.frames is not None:
-                                frames[(n, t.index, "donor")] = (d_out.frames, d_out, f"donor ({cls})")
-                        if "chorus" in want:
-                            if plan.reuses:
-                                o = self.runner.run(
-                                    t.prompt,
-                                    t.seed,
-                                    n,
-                                    t.attributes,
-                                    plan=plan,
-                                    donor=donor,
-                                    keep_frames=keep,
-                                )
-                            else:
-                                o = _copy_outcome(base_by_index[t.index])
-                                if keep and (n, t.index, "no-reuse") in frames:
-                                    o.frames = frames[(n, t.index, "no-reuse")][0]
-                            if keep and o.frames is not None:
-                                frames[(n, t.index, "chorus")] = (o.frames, o, f"Chorus {plan_label(plan)}")
-                            chorus.add(o)
-                            pooled.add(copy.copy(o))
-                            pooled_base.append(base_all[t.index])
-                        if "tgaa" in want and plan.reuses and plan.stage2_steps > 0 and plan.alpha > 1.0:
-                            off = plan.model_copy(update={"alpha": 1.0})
-                            alpha1.add(
-                                self.runner.run(t.prompt, t.seed, n, t.attributes, plan=off, donor=donor)
-                            )
-                            alpha1_base.append(base_all[t.index])
-                        if run_probe:
-                            for a, prow in probes.items():
-                                p = probe.model_copy(update={"alpha": a})
-                                keep_p = keep and a == max(cfg.ablation_alphas)
-                                o = self.runner.run(
-                                    t.prompt, t.seed, n, t.attributes, plan=p, donor=donor, keep_frames=keep_p
-                                )
-                                if keep_p and o.frames is not None:
-                                    frames[(n, t.index, "probe")] = (o.frames, o, f"probe {plan_label(p)}")
-                                prow.add(o)
-                        if "chorus-cachedit" in want:
-                            if plan.reuses:
-                                o = self.runner.run(
-                                    t.prompt,
-                                    t.seed,
-                                    n,
-                                    t.attributes,
-                                    plan=plan,
-                                    donor=donor,
-                                    cached=self.cached_engine(n),
-                                    keep_frames=keep,
-                                )
-                            else:
-                                o = _copy_outcome(cache_alone[t.index])
-                                if keep and (n, t.index, "cachedit") in frames:
-                                    o.frames = frames[(n, t.index, "cachedit")][0]
-                            if keep and o.frames is not None:
-                                frames[(n, t.index, "chorus+cachedit")] = (
-                                    o.frames,
-                                    o,
-                                    f"Chorus {plan_label(plan)} + cache-dit",
-                                )
-                            combined.add(o)
-                        del donor
-                        tick()
-                cls_base = [base_all[i.pair.target.index] for i in group]
-                extra = {"plans": dict(plans.most_common())}
-                if "chorus" in want:
-                    chorus.extra = extra
-                    rows.append(chorus.summary(cls_base))
-                if alpha1.outcomes:
-                    alpha1.extra = {"n_plans_with_tgaa": len(alpha1.outcomes)}
-                    rows.append(alpha1.summary(alpha1_base))
-                if run_probe:
-                    rows.extend(r.summary(cls_base) for r in probes.values())
-                if "chorus-cachedit" in want:
-                    combined.extra = {"cachedit_settings": cfg.cachedit[0].describe(n), **extra}
-                    rows.append(combined.summary(cls_base))
-            if pooled.outcomes:
-                pooled_summary = pooled.summary(pooled_base)
-                rows.append(pooled_summary)
-                summary[str(n)] = pooled_summary
+            step_count = StepCountBench(self, n, targets, infos, planner, sheet_targets)
+            rows.extend(step_count.run())
             if sheet_targets:
-                path = cfg.out_dir / f"contact_{n}steps.png"
-                size = self._sheet(n, targets, sheet_targets, frames, infos, path)
-                if size is not None:
-                    sheets.append({"steps": n, "path": str(path), "size": list(size)})
-                frames = {k: v for k, v in frames.items() if k[0] != n}
+                sheet = step_count.sheet()
+                if sheet is not None:
+                    sheets.append(sheet)
         return {
             "pair_classes": class_report(infos, planner, cfg.steps),
             "rows": rows,
             "contact_sheets": sheets,
         }
-
-    def _sheet(
-        self,
-        n: int,
-        targets: Sequence[Target],
-        chosen: set[int],
-        frames: dict[tuple[int, int, str], tuple[np.ndarray, Outcome, str]],
-        infos: Sequence[PairInfo],
-        path: Path,
-    ) -> tuple[int, int] | None:
-        groups = []
-        for t in targets:
-            if t.index not in chosen:
-                continue
-            cls = SHEET_CLASSES[t.index % len(SHEET_CLASSES)]
-            info = next(
-                (i for i in infos if i.pair.target.index == t.index and i.pair.pair_class == cls), None
-            )
-            rows = []
-            for kind in ("donor", "no-reuse", "chorus", "probe", "cachedit", "chorus+cachedit"):
-                entry = frames.get((n, t.index, kind))
-                if entry is None:
-                    continue
-                fr, o, label = entry
-                wrong = [k for k, ok in o.correct.items() if k != "all" and not ok]
-                if kind == "donor":
-                    detail = "read: " + " ".join(o.read.values())
-                    ok: bool | None = None
-                else:
-                    detail = ("all correct" if o.correct["all"] else "wrong: " + ", ".join(wrong)) + (
-                        f" | compute {o.block_fraction:.2f}"
-                    )
-                    ok = o.correct["all"]
-                rows.append(SheetRow(label, fr, detail, ok))
-            if not rows:
-                continue
-            subtitle = ""
-            if info is not None:
-                subtitle = f"donor ({cls}, sim {info.similarity:.2f}): {info.pair.donor_prompt}"
-            groups.append(SheetGroup(f"[{n} steps, seed {t.seed}] {t.prompt}", subtitle, rows))
-        if not groups:
-            return None
-        return write_sheet(groups, path)
 
 
 def evaluate_targets(
