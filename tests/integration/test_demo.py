@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from producer.local.demo_command import KINDS, DemoSummary, compute_totals
+from producer.local.demo_stream import KINDS
+from producer.local.demo_summary import DemoSummary, compute_totals
 from workers.toy.model import WEIGHTS_DIR, WEIGHTS_FILE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
