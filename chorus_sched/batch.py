@@ -52,6 +52,7 @@ class SchedulerStats:
     with_donor: int = 0
     full: int = 0
     cross_tenant_blocked: int = 0
+    index_unavailable: int = 0
     retries: int = 0
     results: int = 0
     donors_indexed: int = 0

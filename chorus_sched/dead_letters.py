@@ -1,6 +1,6 @@
 """Dead-lettering: a message the scheduler will not schedule goes to the dead-letter topic, once.
 
-A dead letter keeps the raw bytes (base64), the key, the reason and where the message was read
+A dead letter keeps the raw bytes (base64, at most ``DEAD_LETTER_RAW_BYTES`` of them, with the size and sha256), the key, the reason and where the message was read
 (topic/partition/offset). When the message still names a request id, a ``rejected`` result tells the producer
 waiting for it why no video will come — unless that id belongs to a request accepted before (a broken duplicate
 must not contradict the real one). A ledger mark per topic/partition/offset keeps a redelivered message from being
@@ -9,33 +9,39 @@ dead-lettered twice. Used by ``chorus_sched.intake`` for invalid messages and fo
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 
 from chorus_sched.batch import Message, Publisher, SchedulerStats
 from chorus_sched.ledger import Ledger
 from chorus_sched.metrics import METRICS
 from chorus_sched.settings import SchedulerSettings
-from producer.contract import DeadLetter, ErrorInfo, FieldIssue, GenerationResult, ResultStatus
+from producer.contract import (
+    DeadLetter,
+    ErrorInfo,
+    FieldIssue,
+    GenerationResult,
+    ResultStatus,
+    job_id,
+    salvage_identity,
+    salvage_json,
+)
 
 log = logging.getLogger(__name__)
 
 
-def _salvage(raw: bytes) -> tuple[str | None, str]:
-    """(request id, tenant) named by an invalid message, if its JSON still has them."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None, "default"
-    if not isinstance(data, dict):
-        return None, "default"
-    rid, tenant = data.get("request_id"), data.get("tenant")
-    if not (isinstance(rid, str) and 0 < len(rid) <= 128 and rid.isprintable()):
-        rid = None
-    if not (isinstance(tenant, str) and 0 < len(tenant) <= 128):
-        tenant = "default"
-    return rid, tenant
+def _named(value: bytes | None, key: bytes | None) -> object:
+    """What names the message's request: its JSON, with the key standing in for a missing request id (as the
+    contract reads it), or the key alone when the JSON cannot be read at all. A tombstone names nothing."""
+    if value is None:
+        return None
+    data = salvage_json(value)
+    if key is None:
+        return data
+    if data is None:
+        return {"request_id": key.decode("utf-8", "replace")}
+    if isinstance(data, dict) and "request_id" not in data:
+        return {**data, "request_id": key.decode("utf-8", "replace")}
+    return data
 
 
 class DeadLetters:
@@ -53,16 +59,17 @@ class DeadLetters:
         mark = f"dlq:{m.topic}:{m.partition}:{m.offset}"
         if self.ledger.is_marked(mark):
             return
-        letter = DeadLetter(
-            raw_b64=base64.b64encode(m.value or b"").decode(),
-            key_b64=base64.b64encode(m.key).decode() if m.key is not None else None,
-            error=ErrorInfo(code=code, message=message),
-            issues=issues,
+        # Bounded: a 1 MB message must still fit in a dead letter the producer accepts.
+        letter = DeadLetter.of_message(
+            m.value,
+            m.key,
+            ErrorInfo(code=code, message=message[:4000]),
+            issues[:50],
             topic=m.topic,
             partition=m.partition,
             offset=m.offset,
         )
-        rid, tenant = _salvage(m.value or b"")
+        rid, tenant = salvage_identity(_named(m.value, m.key))
         rejected_sent = False
         self.publish(
             self.settings.kafka_dead_letter_topic,
@@ -71,7 +78,9 @@ class DeadLetters:
         )
         # A producer waiting for this request id learns why it will get no video — unless the id belongs
         # to a request that was accepted before (a broken duplicate must not contradict the real one).
-        if rid is not None and (code == "scheduling_failed" or self.ledger.state(rid) is None):
+        if rid is not None and (
+            code == "scheduling_failed" or self.ledger.state(job_id(tenant, rid)) is None
+        ):
             rejected = GenerationResult(
                 request_id=rid,
                 tenant=tenant,

@@ -78,7 +78,7 @@ class Feedback:
         return finish(progress, self.stats)
 
     def _on_result(self, result: GenerationResult) -> None:
-        rid = result.request_id
+        rid = result.job_id  # the ledger and the index know a request by its job id (ids are per tenant)
         record = self.ledger.record(rid)
         if record is None:
             log.debug(
@@ -197,7 +197,7 @@ class Feedback:
                 extra={"request_id": result.request_id, "donor": donor_id, "fallback": result.fallback},
             )
             return
-        if not self.ledger.mark_once(f"hit:{result.request_id}"):
+        if not self.ledger.mark_once(f"hit:{result.job_id}"):
             return
         # Token-steps saved: the engine reports the mean fraction of tokens it computed per requested step, so
         # Stage 1 counts in full and Stage 2 by the share of tokens it skipped. A result computing no step at

@@ -41,6 +41,10 @@ LOCK_FILE = ".chorus-index.lock"
 DonorStatus = Literal["running", "ready"]
 
 
+class IndexUnavailable(RuntimeError):
+    """The index cannot be opened now (another process holds it past the wait, or the server is down)."""
+
+
 class DonorEntry(BaseModel):
     request_id: str
     tenant: str
@@ -76,10 +80,19 @@ def point_id(request_id: str) -> str:
 
 class DonorIndex:
     def __init__(
-        self, collection: str, dim: int, *, url: str = "", path: str | Path = "", api_key: str | None = None
+        self,
+        collection: str,
+        dim: int,
+        *,
+        url: str = "",
+        path: str | Path = "",
+        api_key: str | None = None,
+        lock_wait_s: float = 10.0,
+        timeout_s: int = 10,
     ) -> None:
         self.collection = collection
         self.dim = dim
+        self.lock_wait_s = lock_wait_s
         self.server = bool(url)
         self.path = None if url or str(path) == ":memory:" else Path(path)
         self._lock = threading.RLock()
@@ -87,7 +100,7 @@ class DonorIndex:
         self._lock_fd: int | None = None
         self._client: QdrantClient | None = None
         if url:
-            self._client = QdrantClient(url=url, api_key=api_key)
+            self._client = QdrantClient(url=url, api_key=api_key, timeout=timeout_s)
         elif self.path is None:
             self._client = QdrantClient(location=":memory:")
         else:
@@ -119,10 +132,15 @@ class DonorIndex:
             if self._depth == 0:
                 fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    self._flock(fd)
                     self._client = QdrantClient(path=str(self.path))
-                except BaseException:
+                except BaseException as exc:
                     os.close(fd)  # closing the descriptor releases the lock
+                    if isinstance(exc, RuntimeError) and not isinstance(exc, IndexUnavailable):
+                        # Qdrant's own storage lock: another client (not a Chorus process) has the folder open.
+                        raise IndexUnavailable(
+                            f"index at {self.path} is in use by another client: {exc}"
+                        ) from exc
                     raise
                 self._lock_fd = fd
             self._depth += 1
@@ -140,6 +158,28 @@ class DonorIndex:
                         if self._lock_fd is not None:
                             os.close(self._lock_fd)
                             self._lock_fd = None
+
+    def _flock(self, fd: int) -> None:
+        """Take the folder's lock, waiting at most ``lock_wait_s`` (a wait is logged, never silent)."""
+        start = time.monotonic()
+        next_report = start + 2.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                now = time.monotonic()
+                if now - start >= self.lock_wait_s:
+                    raise IndexUnavailable(
+                        f"index at {self.path} held by another process for over {self.lock_wait_s:g} s"
+                    ) from None
+                if now >= next_report:
+                    log.warning(
+                        "waiting for the index lock",
+                        extra={"path": str(self.path), "waited_s": round(now - start, 1)},
+                    )
+                    next_report = now + 5.0
+                time.sleep(0.02)
 
     def ensure_collection(self) -> None:
         with self.hold() as client:

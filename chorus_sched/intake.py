@@ -2,9 +2,9 @@
 
 Per poll of the requests topic (``Intake.handle_requests``):
 
-1. parse each message (``parse_request``); an invalid one is dead-lettered (``chorus_sched.dead_letters``) —
+1. parse each message (``parse_keyed_request``: the sender must be able to find its result); an invalid one is dead-lettered (``chorus_sched.dead_letters``) —
    consumption goes on;
-2. claim each request id in the ledger; an id already dispatched is a duplicate and is skipped, one another
+2. claim each request's job id (tenant + request id) in the ledger; one already dispatched is a duplicate and is skipped, one another
    instance is scheduling right now is retried later;
 3. embed the prompts of the poll as one batch;
 4. per compatibility key (under a ledger mutex, with the index held): search finished donors and running
@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 
 from chorus_sched.batch import BatchOutcome, Message, Progress, SchedulerStats, finish, transient
 from chorus_sched.dead_letters import DeadLetters
@@ -35,7 +36,7 @@ from chorus_sched.ledger import Ledger, RequestRecord
 from chorus_sched.metrics import METRICS
 from chorus_sched.planner import Planner
 from chorus_sched.settings import SchedulerSettings
-from producer.contract import ContractError, GenerationRequest, ReusePolicy, parse_request
+from producer.contract import ContractError, GenerationRequest, ReusePolicy, parse_keyed_request
 from workers.orders import DonorRef, Role, WorkOrder, trajectory_prefix
 
 log = logging.getLogger(__name__)
@@ -104,26 +105,21 @@ class Intake:
             progress.seen(m)
             self.stats.requests += 1
             METRICS.requests_received.inc()
-            try:
-                request = parse_request(m.value)
-            except ContractError as exc:
-                try:
-                    self.dead_letters.send(m, exc.code, str(exc), exc.issues)
-                except Exception as dl_exc:
-                    log.warning(
-                        "could not dead-letter; will retry", extra={"offset": m.offset, "error": repr(dl_exc)}
-                    )
-                    progress.failed(m)
+            request = self._parse(m, progress)
+            if request is None:
                 continue
             try:
                 claim = self.ledger.begin(
-                    request.request_id, owner=self.instance, lease_s=self.settings.claim_lease_s
+                    request.job_id,
+                    owner=self.instance,
+                    lease_s=self.settings.claim_lease_s,
+                    origin=f"{m.topic}:{m.partition}:{m.offset}",
                 )
             except Exception as exc:
                 self._failed(m, progress, exc, request)
                 continue
             # A second copy within this poll finds our own fresh lease ("resumed"): it is a duplicate too.
-            if claim.outcome == "duplicate" or request.request_id in in_batch:
+            if claim.outcome == "duplicate" or request.job_id in in_batch:
                 self.stats.duplicates += 1
                 METRICS.duplicates.inc()
                 log.info(
@@ -144,9 +140,38 @@ class Intake:
                         "resuming a request whose scheduling did not finish",
                         extra={"request_id": request.request_id, "previous_owner": claim.owner},
                     )
+                elif claim.outcome == "retry":
+                    log.info(
+                        "request sent again after it ended without a video; scheduling it anew",
+                        extra={
+                            "request_id": request.request_id,
+                            "tenant": request.tenant,
+                            "was": claim.state,
+                        },
+                    )
                 accepted.append((m, request))
-                in_batch.add(request.request_id)
+                in_batch.add(request.job_id)
         return accepted
+
+    def _parse(self, m: Message, progress: Progress) -> GenerationRequest | None:
+        """The message's request, or None after dead-lettering it (or leaving it for a retry if that failed)."""
+        try:
+            return parse_keyed_request(m.value, m.key)
+        except ContractError as exc:
+            code, reason, issues = exc.code, str(exc), exc.issues
+        except Exception as exc:  # a parser bug must cost one message, never the scheduler
+            log.exception(
+                "a message could not be parsed", extra={"offset": m.offset, "partition": m.partition}
+            )
+            code, reason, issues = "unreadable", f"the message could not be read: {exc!r}"[:2000], []
+        try:
+            self.dead_letters.send(m, code, reason, issues)
+        except Exception as dl_exc:
+            log.warning(
+                "could not dead-letter; will retry", extra={"offset": m.offset, "error": repr(dl_exc)}
+            )
+            progress.failed(m)
+        return None
 
     def _schedule_groups(
         self,
@@ -162,13 +187,15 @@ class Intake:
             pending = list(groups[compat])
             try:
                 with (
-                    self.ledger.mutex(f"group:{compat}", ttl_s=self.settings.claim_lease_s),
-                    self.index.hold(),
+                    self.ledger.mutex(
+                        f"group:{compat}", ttl_s=self.settings.group_lock_lease_s, owner=self.instance
+                    ),
+                    self._index_for(pending, vectors) as index_up,
                 ):
                     while pending:
                         m, request = pending[0]
                         try:
-                            self._schedule(request, vectors.get(request.request_id))
+                            self._schedule(request, vectors.get(request.job_id) if index_up else None)
                         except Exception as exc:
                             self._failed(m, progress, exc, request)
                         pending.pop(0)
@@ -176,13 +203,39 @@ class Intake:
                 for m, request in pending:
                     self._failed(m, progress, exc, request)
 
+    @contextmanager
+    def _index_for(
+        self, group: list[tuple[Message, GenerationRequest]], vectors: dict[str, list[float]]
+    ) -> Iterator[bool]:
+        """Hold the index for a group that may reuse; True if it is up. A group of ``reuse: off`` requests
+        never opens it, and an index that cannot be opened means full compute for the group, not rejection."""
+        if not any(r.job_id in vectors for _, r in group):
+            yield False
+            return
+        with ExitStack() as held:
+            try:
+                held.enter_context(self.index.hold())
+            except Exception as exc:
+                self._index_down(exc, len(group))
+                yield False
+                return
+            yield True
+
+    def _index_down(self, exc: BaseException, requests: int) -> None:
+        self.stats.index_unavailable += requests
+        METRICS.index_unavailable.inc(requests)
+        log.warning(
+            "donor index unavailable; scheduling without reuse (full compute)",
+            extra={"requests": requests, "error": repr(exc)[:500]},
+        )
+
     def _failed(
         self, m: Message, progress: Progress, exc: BaseException, request: GenerationRequest | None
     ) -> None:
         """A message could not be scheduled: retry it (transient), or dead-letter it after max_attempts."""
         if request is not None:
             try:
-                self.ledger.release(request.request_id)
+                self.ledger.release(request.job_id)
             except Exception as release_exc:  # the lease expires by itself
                 log.warning("could not release claim", extra={"error": repr(release_exc)})
         key = (m.topic, m.partition, m.offset)
@@ -208,7 +261,9 @@ class Intake:
         try:
             self.dead_letters.send(m, "scheduling_failed", f"scheduling failed {attempts} times: {exc!r}", [])
             if request is not None:
-                self.ledger.set_state(request.request_id, "dead_lettered")
+                self.ledger.set_state(
+                    request.job_id, "dead_lettered", origin=f"{m.topic}:{m.partition}:{m.offset}"
+                )
         except Exception as dl_exc:
             log.warning("could not dead-letter; will retry", extra={"error": repr(dl_exc)})
             progress.failed(m)
@@ -217,7 +272,7 @@ class Intake:
         wanted = [r for r in requests if r.reuse is ReusePolicy.AUTO]
         prompts = sorted({r.prompt for r in wanted})
         by_prompt = dict(zip(prompts, self.embedder.embed(prompts), strict=True))
-        return {r.request_id: by_prompt[r.prompt] for r in wanted}
+        return {r.job_id: by_prompt[r.prompt] for r in wanted}
 
     def _candidates(self, vector: list[float], compat: str, tenant: str | None) -> list[Candidate]:
         hits = self.index.search(
@@ -271,9 +326,16 @@ class Intake:
         return decision
 
     def _schedule(self, request: GenerationRequest, vector: list[float] | None) -> None:
-        rid = request.request_id
-        with METRICS.phase("search"):
-            decision = self.decide(request, vector)
+        rid = request.job_id  # a donor is known by its job id: request ids are per tenant
+        try:
+            with METRICS.phase("search"):
+                decision = self.decide(request, vector)
+        except Exception as exc:
+            if vector is None:
+                raise
+            self._index_down(exc, 1)
+            vector = None
+            decision = self.decide(request, None)
         donor = decision.donor
         leader_entry = None
         if decision.role is Role.LEADER and vector is not None:
@@ -288,7 +350,11 @@ class Intake:
                 num_steps=request.num_steps,
                 created_at=self.clock(),
             )
-            self.index.upsert(leader_entry, vector)
+            try:
+                self.index.upsert(leader_entry, vector)
+            except Exception as exc:  # followers cannot find this leader; it still runs
+                self._index_down(exc, 1)
+                leader_entry = None
         order = WorkOrder(
             request=request,
             plan=decision.plan,
@@ -307,7 +373,10 @@ class Intake:
                 self.dispatcher.generate(order)
         except BaseException:
             if leader_entry is not None:
-                self.index.delete([rid])
+                try:
+                    self.index.delete([rid])
+                except Exception as exc:  # the leader entry goes stale and is dropped by maintenance
+                    log.warning("could not remove an undispatched leader", extra={"error": repr(exc)})
             raise
         self._record_dispatch(request, decision)
         self._count(decision)
@@ -330,7 +399,7 @@ class Intake:
         )
 
     def _record_dispatch(self, request: GenerationRequest, decision: Decision) -> None:
-        rid = request.request_id
+        rid = request.job_id
         donor = decision.donor
         record = RequestRecord(
             request_id=rid,

@@ -114,7 +114,9 @@ class Ledger(ABC):
     def state(self, request_id: str) -> str | None: ...
 
     @abstractmethod
-    def set_state(self, request_id: str, state: str) -> None: ...
+    def set_state(self, request_id: str, state: str, *, origin: str | None = None) -> None:
+        """Set the request's state (creating the entry if needed); ``origin`` also records which message it
+        concerns, so that a redelivery of that message is still recognised (see ``begin``)."""
 
     @abstractmethod
     def release(self, request_id: str) -> None:
@@ -299,10 +301,10 @@ class RedisLedger(Ledger):
         value = self.client.hget(self._req(request_id), "state")
         return None if value is None else str(value)
 
-    def set_state(self, request_id: str, state: str) -> None:
+    def set_state(self, request_id: str, state: str, *, origin: str | None = None) -> None:
         key = self._req(request_id)
         with self.client.pipeline() as pipe:
-            pipe.hset(key, "state", state)
+            pipe.hset(key, mapping={"state": state} if origin is None else {"state": state, "origin": origin})
             pipe.expire(key, self.ttl_s)
             pipe.execute()
 
@@ -471,12 +473,13 @@ class SqliteLedger(Ledger):
         row = self._row(request_id)
         return None if row is None else str(row[0])
 
-    def set_state(self, request_id: str, state: str) -> None:
+    def set_state(self, request_id: str, state: str, *, origin: str | None = None) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO requests (request_id, state, expires_at) VALUES (?, ?, ?) "
-                "ON CONFLICT(request_id) DO UPDATE SET state = excluded.state, expires_at = excluded.expires_at",
-                (self._key(request_id), state, self._expires()),
+                "INSERT INTO requests (request_id, state, expires_at, origin) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(request_id) DO UPDATE SET state = excluded.state, expires_at = excluded.expires_at, "
+                "origin = COALESCE(excluded.origin, origin)",
+                (self._key(request_id), state, self._expires(), origin),
             )
 
     def release(self, request_id: str) -> None:

@@ -19,7 +19,7 @@ from chorus_sched.batch import SchedulerStats
 from chorus_sched.cache import CachePolicy, plan_evictions
 from chorus_sched.dispatch import Dispatcher
 from chorus_sched.index import DonorIndex
-from chorus_sched.ledger import Ledger
+from chorus_sched.ledger import RETRYABLE_STATES, Ledger
 from chorus_sched.metrics import METRICS
 from chorus_sched.settings import SchedulerSettings
 from workers.orders import EvictOrder
@@ -57,7 +57,9 @@ class CacheMaintenance:
     def maintain(self) -> list[str]:
         """Send evictions left pending, then apply the cache policy; returns the request ids evicted now."""
         self._flush_evictions()
-        with self.ledger.mutex("evict", ttl_s=self.settings.claim_lease_s):
+        with self.ledger.mutex(
+            "evict", ttl_s=self.settings.group_lock_lease_s, owner=self.settings.resolved_instance_id
+        ):
             entries = self.index.entries()
             evictions = plan_evictions(entries, self.clock(), self.policy)
             if evictions:
@@ -83,7 +85,9 @@ class CacheMaintenance:
         for reason, ids in by_reason.items():
             self.ledger.add_pending_evictions(ids, reason)
             for rid in ids:
-                self.ledger.set_state(rid, "evicted")
+                # A request that ended without a video stays open to being sent again.
+                if self.ledger.state(rid) not in RETRYABLE_STATES:
+                    self.ledger.set_state(rid, "evicted")
             self.index.delete(ids)
             self.stats.evicted += len(ids)
             METRICS.count_evictions(reason, len(ids))

@@ -117,6 +117,11 @@ class SchedulerMetrics:
             "Copies of a request that was already scheduled (skipped).",
             registry=registry,
         )
+        self.index_unavailable = Counter(
+            "chorus_index_unavailable",
+            "Requests scheduled without reuse (full compute) because the donor index could not be used.",
+            registry=registry,
+        )
         self.retries = Counter(
             "chorus_scheduler_retries",
             "Messages left to be handled again on a later poll, by cause.",

@@ -44,6 +44,9 @@ class SchedulerSettings(KafkaSettings):
     # A claim on a request being scheduled expires after this long, so an instance that crashed mid-way
     # does not block the request forever; another instance then takes it over.
     claim_lease_s: float = Field(default=120.0, gt=0)
+    # Lease of the mutexes instances take around scheduling a group and evicting: renewed while held, so it
+    # bounds only how long a killed holder blocks the others.
+    group_lock_lease_s: float = Field(default=10.0, gt=0, le=600)
     # Qdrant server URL; empty means Qdrant local mode at qdrant_path (default: state_dir/qdrant).
     qdrant_url: str = ""
     qdrant_path: str = ""

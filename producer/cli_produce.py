@@ -125,7 +125,7 @@ def produce(
                     )
             if watcher is not None:
                 limit = timeout if timeout is not None else settings.result_timeout_s
-                results = _collect(watcher, sent, limit, err, quiet=as_json)
+                results = _collect(watcher, requests, limit, err, quiet=as_json)
         finally:
             if watcher is not None:
                 watcher.close()
@@ -174,7 +174,7 @@ def _send(client: Any, requests: list[GenerationRequest], err: Console, *, quiet
 
 
 def _collect(
-    watcher: Any, ids: list[str], timeout_s: float, err: Console, *, quiet: bool
+    watcher: Any, requests: list[GenerationRequest], timeout_s: float, err: Console, *, quiet: bool
 ) -> dict[str, GenerationResult]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -188,8 +188,9 @@ def _collect(
         transient=True,
         disable=quiet,
     ) as bar:
-        task = bar.add_task("wait", total=len(ids))
-        for result in watcher.wait(ids, timeout_s=timeout_s):
+        task = bar.add_task("wait", total=len(requests))
+        # The requests, not their ids: a result must match the tenant too (ids are per tenant).
+        for result in watcher.wait(requests, timeout_s=timeout_s):
             results[result.request_id] = result
             bar.advance(task)
     return results

@@ -48,6 +48,19 @@ MAX_MESSAGE_BYTES = 64 * 1024
 DEAD_LETTER_RAW_BYTES = 16 * 1024
 
 
+DEFAULT_TENANT = "default"
+
+
+def job_id(tenant: str, request_id: str) -> str:
+    """The system-wide identity of one tenant's request: ledger claims, task ids, object keys, index points.
+
+    Request ids are chosen by tenants, so two tenants may use the same one. The default tenant's job id is its
+    request id (so single-tenant deployments see their own ids everywhere); any other tenant's is
+    ``tenant/request_id``. '/' is outside the Identifier alphabet, so no two (tenant, id) pairs share a job id.
+    """
+    return request_id if tenant == DEFAULT_TENANT else f"{tenant}/{request_id}"
+
+
 def _new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -153,6 +166,10 @@ class GenerationRequest(_Wire):
     def compatibility_key(self) -> str:
         return compatibility_key(self.model, self.num_frames, self.height, self.width, self.num_steps)
 
+    @property
+    def job_id(self) -> str:
+        return job_id(self.tenant, self.request_id)
+
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
 
@@ -254,6 +271,10 @@ class GenerationResult(_Wire):
     timings: PhaseTimings = Field(default_factory=PhaseTimings)
     worker: str | None = None
     completed_at: AwareDatetime = Field(default_factory=_utcnow)
+
+    @property
+    def job_id(self) -> str:
+        return job_id(self.tenant, self.request_id)
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()

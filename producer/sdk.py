@@ -7,7 +7,7 @@
         watcher = client.watch_results()                 # listen first, so no result can be missed
         request = build_request(prompt="a red circle moving left", model="toy")
         client.submit(request)
-        for result in watcher.wait([request.request_id], timeout_s=120):
+        for result in watcher.wait([request], timeout_s=120):
             print(result.status, result.video_uri)
 
 Requests are keyed by ``request_id`` (so a request and its result land in the same partition of their topics).
@@ -222,26 +222,32 @@ class ResultWatcher:
         self.topic = settings.kafka_results_topic
         self.consumer: KafkaConsumer = bus.tail_consumer(settings, self.topic)
         self.skipped = 0  # messages on the topic that were not valid results
-        # The first result of every request seen so far, so sequential waits lose nothing.
-        self.received: dict[str, GenerationResult] = {}
+        # The first result of every (tenant, request id) seen so far, so sequential waits lose nothing.
+        self.received: dict[tuple[str, str], GenerationResult] = {}
 
     def wait(
         self,
-        request_ids: Iterable[str],
+        requests: Iterable[str | GenerationRequest],
         *,
         timeout_s: float,
         on_result: Callable[[GenerationResult], None] | None = None,
     ) -> Iterator[GenerationResult]:
-        """Yield the first result of each id as it arrives, until all arrived or ``timeout_s`` passed.
+        """Yield the first result of each request as it arrives, until all arrived or ``timeout_s`` passed.
 
-        Results that arrived earlier (while waiting for other ids) are yielded first.
+        Give the requests themselves: a result then matches on tenant and id, so another tenant's request that
+        used the same id is never taken for yours. A bare id matches that id in any tenant. Results that arrived
+        earlier (while waiting for other requests) are yielded first.
         """
-        pending = set(request_ids)
-        for request_id in sorted(pending & set(self.received)):
-            pending.discard(request_id)
-            if on_result is not None:
-                on_result(self.received[request_id])
-            yield self.received[request_id]
+        pending = {
+            (r.tenant, r.request_id) if isinstance(r, GenerationRequest) else (None, r) for r in requests
+        }
+        for want in sorted(pending, key=str):
+            result = self._first_received(want)
+            if result is not None:
+                pending.discard(want)
+                if on_result is not None:
+                    on_result(result)
+                yield result
         deadline = time.monotonic() + timeout_s
         next_refresh = 0.0
         while pending and time.monotonic() < deadline:
@@ -257,15 +263,27 @@ class ResultWatcher:
             for records in batches.values():
                 for record in records:
                     result = self._parse(record.value)
-                    if result is None or result.request_id in self.received:
+                    if result is None or (result.tenant, result.request_id) in self.received:
                         continue
-                    self.received[result.request_id] = result
-                    if result.request_id not in pending:
+                    self.received[(result.tenant, result.request_id)] = result
+                    wants: list[tuple[str | None, str]] = [
+                        (result.tenant, result.request_id),
+                        (None, result.request_id),
+                    ]
+                    matched = [w for w in wants if w in pending]
+                    if not matched:
                         continue
-                    pending.discard(result.request_id)
+                    want = matched[0]
+                    pending.discard(want)
                     if on_result is not None:
                         on_result(result)
                     yield result
+
+    def _first_received(self, want: tuple[str | None, str]) -> GenerationResult | None:
+        tenant, request_id = want
+        if tenant is not None:
+            return self.received.get((tenant, request_id))
+        return next((r for (_, rid), r in self.received.items() if rid == request_id), None)
 
     def _parse(self, raw: bytes | None) -> GenerationResult | None:
         try:

@@ -219,7 +219,7 @@ def send_generate(app: Celery, order: WorkOrder, **options: Any) -> AsyncResult[
         queue=queue,
         routing_key=queue,
         exchange=EXCHANGE.name,
-        task_id=options.pop("task_id", order.request.request_id),
+        task_id=options.pop("task_id", order.request.job_id),
         **options,
     )
 

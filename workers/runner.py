@@ -22,6 +22,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 from producer.contract import GenerationResult, ReusePlan
+from producer.readiness import ReadinessEvent
 from workers import metrics as worker_metrics
 from workers import video
 from workers.donors import S3DonorSource, TrajectoryUploader
@@ -85,7 +86,7 @@ def engine_for(model: str, settings: WorkerSettings) -> LoadedModel:
             _MODELS[key] = loaded
             worker_metrics.model_loaded(model, loaded.load_s)
             log.info(
-                "model loaded",
+                ReadinessEvent.MODEL_LOADED,
                 extra={
                     "model": model,
                     "device": settings.device,
@@ -199,6 +200,7 @@ class Runner:
     ) -> GenerationResult:
         request, plan = order.request, order.plan
         request_id = request.request_id
+        job = request.job_id  # object keys are per tenant: two tenants may use the same request id
         loaded = engine_for(request.model, self.settings)
         full = ReusePlan.full(request.num_steps)
         fallbacks: list[str] = []
@@ -260,7 +262,7 @@ class Runner:
         )
 
         uploader = TrajectoryUploader(
-            self.store, trajectory_prefix(request_id), storage_dtype=self.settings.trajectory_dtype
+            self.store, trajectory_prefix(job), storage_dtype=self.settings.trajectory_dtype
         )
         if order.role is Role.LEADER:
             uploader.start()
@@ -277,7 +279,7 @@ class Runner:
         except BaseException:
             uploader.stop()
             # A leader that failed may have streamed part of its trajectory: nobody must take it for a donor.
-            self._discard_trajectory(request_id, uploader)
+            self._discard_trajectory(job, uploader)
             raise
         uploader.stop()
         if output.fallback:
@@ -289,7 +291,7 @@ class Runner:
         with clock.phase("decode"):
             video_bytes = encode_video(output, fmt)
         with clock.phase("upload"):
-            stored_video = self.store.put(video_key(request_id, fmt), video_bytes, video.CONTENT_TYPES[fmt])
+            stored_video = self.store.put(video_key(job, fmt), video_bytes, video.CONTENT_TYPES[fmt])
             trajectory_uri: str | None = None
             trajectory_bytes = 0
             try:
@@ -299,7 +301,7 @@ class Runner:
             except StoreError as exc:
                 # The request is still served; it just cannot become a donor.
                 log.warning("trajectory not stored", extra={"request_id": request_id, "error": str(exc)})
-                self._discard_trajectory(request_id, uploader)
+                self._discard_trajectory(job, uploader)
         result = done_result(
             order,
             video_uri=stored_video.uri,
@@ -327,14 +329,14 @@ class Runner:
         )
         return result
 
-    def _discard_trajectory(self, request_id: str, uploader: TrajectoryUploader) -> None:
+    def _discard_trajectory(self, job: str, uploader: TrajectoryUploader) -> None:
         if not uploader.uploaded:
             return
         try:
-            deleted = self.store.delete_prefix(trajectory_prefix(request_id))
-            log.info("partial trajectory deleted", extra={"request_id": request_id, "objects": deleted})
+            deleted = self.store.delete_prefix(trajectory_prefix(job))
+            log.info("partial trajectory deleted", extra={"job": job, "objects": deleted})
         except StoreError as exc:
-            log.warning("partial trajectory left in S3", extra={"request_id": request_id, "error": str(exc)})
+            log.warning("partial trajectory left in S3", extra={"job": job, "error": str(exc)})
 
     def _generate(
         self,

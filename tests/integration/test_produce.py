@@ -195,3 +195,28 @@ def test_produce_wait_gives_up_after_its_timeout_and_names_what_is_missing(
     assert "sent lonely-1" in waited.stdout
     assert "no result" in waited.stdout  # the table row
     assert "no result within the timeout for 1 request(s)" in waited.stderr and "lonely-1" in waited.stderr
+
+
+def test_the_watcher_never_hands_a_tenant_another_tenants_result_for_the_same_id(
+    kafka_settings: KafkaSettings,
+) -> None:
+    from producer.contract import build_request
+    from producer.sdk import ResultWatcher
+
+    mine = build_request(prompt="a blue square", request_id="shared-id", tenant="tenant-b")
+    producer = bus.make_producer(kafka_settings)
+    with ResultWatcher(kafka_settings) as watcher:
+        theirs = GenerationResult(
+            request_id="shared-id", tenant="tenant-a", status=ResultStatus.DONE, video_uri="s3://x/a.mp4"
+        )
+        ours = GenerationResult(
+            request_id="shared-id", tenant="tenant-b", status=ResultStatus.DONE, video_uri="s3://x/b.mp4"
+        )
+        for result in (theirs, ours):
+            bus.publish(producer, kafka_settings.kafka_results_topic, result.request_id, result.to_bytes())
+        got = list(watcher.wait([mine], timeout_s=60))
+        assert [(r.tenant, r.video_uri) for r in got] == [("tenant-b", "s3://x/b.mp4")]
+        # A bare id still matches (either tenant's, whichever arrived first).
+        again = list(watcher.wait(["shared-id"], timeout_s=5))
+        assert len(again) == 1 and again[0].request_id == "shared-id"
+    producer.close(timeout=10)

@@ -9,6 +9,7 @@ inspects what is on the Celery queues with a small kombu consumer (the same app 
 from __future__ import annotations
 
 import base64
+import json
 import threading
 import time
 import uuid
@@ -198,11 +199,12 @@ def harness(make_settings: Any) -> Iterator[Harness]:
 
 
 def request(prompt: str = PROMPT, **fields: Any) -> GenerationRequest:
-    return build_request(prompt=prompt, model="toy", tenant=fields.pop("tenant", "acme"), **fields)
+    # The default tenant, whose job ids are its request ids (index and ledger keys); tenants have their own tests.
+    return build_request(prompt=prompt, model="toy", tenant=fields.pop("tenant", "default"), **fields)
 
 
 def done(
-    rid: str, *, tenant: str = "acme", nbytes: int = 1000, donor: str | None = None, **fields: Any
+    rid: str, *, tenant: str = "default", nbytes: int = 1000, donor: str | None = None, **fields: Any
 ) -> GenerationResult:
     return GenerationResult(
         request_id=rid,
@@ -238,6 +240,35 @@ def results_of(settings: KafkaSettings, n: int) -> list[GenerationResult]:
             break
     consumer.close()
     return out
+
+
+def test_hostile_messages_are_dead_lettered_and_the_requests_behind_them_run(harness: Harness) -> None:
+    topic = harness.settings.kafka_requests_topic
+    send = harness.producer.send
+    # One partition's worth of poison in front of valid requests: a tombstone, a number Python will not convert,
+    # a ~900 KB prompt (its dead letter must still fit the producer's request size), and an anonymous request.
+    send(topic, key=b"tomb", value=None).get(timeout=30)
+    harness.publish(
+        b'{"request_id": "huge-seed", "prompt": "x", "seed": ' + b"9" * 5001 + b"}", key="huge-seed"
+    )
+    big = json.dumps({"request_id": "big", "prompt": "x" * 900_000}).encode()
+    harness.publish(big, key="big")
+    send(topic, key=None, value=b'{"prompt": "a red circle moving left on a gray background"}').get(
+        timeout=30
+    )
+    valid = [request(request_id=f"after-{i}", seed=i) for i in range(3)]
+    harness.publish(*valid)
+    harness.wait_handled()
+
+    assert sorted(harness.generate_tasks()) == ["after-0", "after-1", "after-2"]
+    letters = dead_letters(harness.settings, 4)
+    rules = sorted(letter.issues[0].rule for letter in letters)
+    assert rules == ["json", "missing", "size", "tombstone"]
+    sized = next(letter for letter in letters if letter.issues[0].rule == "size")
+    assert sized.raw_truncated and sized.raw_size == len(big) and len(sized.to_bytes()) < 64 * 1024
+    rejected = {r.request_id: r for r in results_of(harness.settings, 2)}
+    assert set(rejected) == {"huge-seed", "big"}
+    assert all(r.status is ResultStatus.REJECTED for r in rejected.values())
 
 
 def test_requests_become_one_task_each_bad_ones_are_dead_lettered_and_duplicates_skipped(
@@ -329,7 +360,7 @@ def test_similar_requests_group_then_a_finished_donor_is_reused_and_its_hits_cou
     # requests that were not leaders become donors too, from the ledger's record of them
     later_entry = harness.scheduler.index.get("later")
     assert later_entry is not None and later_entry.ready and later_entry.prompt == PROMPT
-    assert later_entry.tenant == "acme" and later_entry.compat_key == request().compatibility_key
+    assert later_entry.tenant == "default" and later_entry.compat_key == request().compatibility_key
 
 
 def test_a_better_donor_of_another_tenant_is_blocked_and_counted(harness: Harness) -> None:
@@ -355,7 +386,10 @@ def test_cross_tenant_reuse_when_allowed(make_settings: Any) -> None:
         h.publish(request(request_id="mine", tenant="acme"))
         h.wait_handled()
         order = h.generate_tasks()["mine"].order
-        assert order.donor is not None and order.donor.request_id == "theirs" and order.role is Role.SOLO
+        # another tenant's donor is named by its job id (tenant/request id)
+        assert (
+            order.donor is not None and order.donor.request_id == "globex/theirs" and order.role is Role.SOLO
+        )
         assert h.scheduler.stats.cross_tenant_blocked == 0
     finally:
         h.close()
@@ -373,7 +407,7 @@ def test_eviction_removes_the_point_then_orders_the_objects_deleted(make_setting
         h.wait_handled()
         h.publish_result(done("d1", nbytes=1000))
         h.publish_result(done("d2", nbytes=1000))
-        h.publish_result(GenerationResult(request_id="d3", tenant="acme", status=ResultStatus.FAILED))
+        h.publish_result(GenerationResult(request_id="d3", tenant="default", status=ResultStatus.FAILED))
         h.wait_handled()
         assert h.scheduler.index.get("d3") is None  # a failed leader's entry goes at once
         # one used donor is worth more than the unused one

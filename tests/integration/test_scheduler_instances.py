@@ -25,6 +25,7 @@ from producer.contract import DeadLetter, GenerationRequest, build_request
 from producer.local.config import StackOptions
 from producer.local.processes import ServiceProcess
 from producer.local.stack import EmbeddedStack
+from producer.readiness import ReadinessEvent
 from workers.app import EXCHANGE, app_for_broker
 from workers.orders import GENERATE_TASK, Role, WorkOrder, queue_for
 
@@ -43,7 +44,7 @@ def assignment(instance: ServiceProcess, topic: str) -> list[int] | None:
     """Partitions of ``topic`` the instance was last assigned (None before its first assignment)."""
     found = None
     for line in list(instance.read_events()):
-        if line.get("event") == "partitions assigned" and line.get("topic") == topic:
+        if line.get("event") == ReadinessEvent.PARTITIONS_ASSIGNED and line.get("topic") == topic:
             found = list(line["partitions"])
     return found
 
@@ -149,21 +150,21 @@ def _check_two_instances(stack: EmbeddedStack) -> None:
         members = [o for o in orders if o.request.request_id.startswith(f"f{f}-")]
         leaders = [o for o in members if o.role is Role.LEADER]
         assert len(leaders) == 1, [(o.request.request_id, o.role) for o in members]
-        leader_id = leaders[0].request.request_id
+        leader_id = leaders[0].request.job_id  # donors are named by job id (tenant/request id)
         for o in members:
             if o is not leaders[0]:
                 assert o.role is Role.FOLLOWER and o.donor is not None and o.donor.request_id == leader_id
 
     # Both instances did part of the work, and the shared index holds the four running leaders.
     ledger = SqliteLedger(state / "ledger.sqlite3")
-    schedulers = {rec.scheduler for rid in ids if (rec := ledger.record(rid)) is not None}
+    schedulers = {rec.scheduler for o in orders if (rec := ledger.record(o.request.job_id)) is not None}
     ledger.close()
     assert schedulers == {a.name, b.name}
     index = DonorIndex.connect(path=state / "qdrant", collection="chorus_donors", dim=384)
     entries = index.entries()
     index.close()
     assert sorted(e.request_id for e in entries) == sorted(
-        o.request.request_id for o in orders if o.role is Role.LEADER
+        o.request.job_id for o in orders if o.role is Role.LEADER
     )
     assert all(e.status == "running" for e in entries)
 

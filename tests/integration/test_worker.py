@@ -8,6 +8,7 @@ minio adapter and the video is downloaded with boto3 as an independent client.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import uuid
@@ -240,6 +241,31 @@ def test_a_corrupt_donor_runs_in_full(
             data = data[:-1] + bytes([data[-1] ^ 0xFF])
         store.put(target + obj.key.removeprefix(source), data)
     order = order_for(request_like(), REUSE_PLAN, donor=donor_ref("corrupt-copy"))
+    result, _ = run(client, results, order)
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.steps_computed == 4 and result.fallback is not None and "sha256" in result.fallback
+    assert result.donor_gone
+
+
+def test_a_donor_with_flipped_bytes_and_its_checksum_kept_is_given_up(
+    donor: GenerationResult, client: Celery, results: ResultWatcher, store: ObjectStore
+) -> None:
+    # The object's bytes changed but the sha256 stored with it did not (bit rot, a bad copy): the worker must
+    # report the donor gone, so the scheduler evicts it instead of planning it again for every similar request.
+    source, target = trajectory_prefix(donor.request_id), trajectory_prefix("rotten-copy")
+    for obj in store.list(source):
+        data = store.get(obj.key)
+        claimed = (store.client.stat_object(store.bucket, obj.key).metadata or {}).get("x-amz-meta-sha256")
+        if obj.key == step_key(source, 0):
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        store.client.put_object(
+            store.bucket,
+            target + obj.key.removeprefix(source),
+            io.BytesIO(data),
+            length=len(data),
+            metadata={"sha256": claimed} if claimed else None,
+        )
+    order = order_for(request_like(), REUSE_PLAN, donor=donor_ref("rotten-copy"))
     result, _ = run(client, results, order)
     assert result.status is ResultStatus.DONE, result.error
     assert result.steps_computed == 4 and result.fallback is not None and "sha256" in result.fallback

@@ -256,6 +256,6 @@ def test_a_poll_is_scheduled_in_submission_order_not_partition_order(
     later = req(request_id="later", seed=2, submitted_at=first.submitted_at + timedelta(seconds=1))
     # the later request's partition is read first
     sched.handle_requests([Msg(later.to_bytes(), 0), Msg(first.to_bytes(), 1)])
-    leader = sched.index.get("first")
+    leader = sched.index.get(first.job_id)
     assert leader is not None and leader.status == "running"
-    assert sched.index.get("later") is None  # a follower of "first", not a leader
+    assert sched.index.get(later.job_id) is None  # a follower of "first", not a leader

@@ -73,8 +73,10 @@ class FakeLedger:
     def state(self, request_id: str) -> str | None:
         return self.states.get(request_id)
 
-    def set_state(self, request_id: str, state: str) -> None:
+    def set_state(self, request_id: str, state: str, *, origin: str | None = None) -> None:
         self.states[request_id] = state
+        if origin is not None:
+            self.origins[request_id] = origin
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -249,13 +251,14 @@ def ports(tmp_path: Any) -> Ports:
 
 
 def request(prompt: str = PROMPT, **fields: Any) -> GenerationRequest:
-    return build_request(prompt=prompt, model="toy", tenant=fields.pop("tenant", "acme"), **fields)
+    # The default tenant, whose job ids are its request ids; tenancy has its own tests below.
+    return build_request(prompt=prompt, model="toy", tenant=fields.pop("tenant", "default"), **fields)
 
 
 def done(rid: str, *, nbytes: int = 1000, **fields: Any) -> GenerationResult:
     return GenerationResult(
         request_id=rid,
-        tenant="acme",
+        tenant=fields.pop("tenant", "default"),
         status=ResultStatus.DONE,
         video_uri=f"s3://chorus/videos/{rid}.mp4",
         trajectory_uri=f"s3://chorus/trajectories/{rid}/",
@@ -410,11 +413,11 @@ def test_a_result_feeds_the_donor_index_and_a_later_similar_request_reuses_it(po
 
 def test_a_failed_leader_is_evicted_and_its_objects_ordered_deleted(ports: Ports) -> None:
     ports.scheduler.handle_requests([Msg(request(request_id="lead").to_bytes(), 0)])
-    failed = GenerationResult(request_id="lead", tenant="acme", status=ResultStatus.FAILED)
+    failed = GenerationResult(request_id="lead", tenant="default", status=ResultStatus.FAILED)
     ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
 
     assert ports.index.get("lead") is None
-    assert ports.ledger.state("lead") == "evicted"
+    assert ports.ledger.state("lead") == "failed"  # evicted from the index, and open to being sent again
     assert [(e.request_ids, e.reason) for e in ports.dispatcher.evictions] == [(["lead"], "leader failed")]
     assert ports.ledger.pending_evictions() == {}
 
@@ -425,3 +428,37 @@ def test_results_of_requests_this_deployment_did_not_dispatch_are_ignored(ports:
     )
     assert outcome.commit == {TopicPartition("results", 0): 2} and outcome.retry == {}
     assert ports.index.points == {} and ports.scheduler.stats.results == 0
+
+
+# --- tenants ---------------------------------------------------------------------------------------------------
+
+
+def test_two_tenants_may_use_one_request_id_and_each_is_served_and_indexed_as_its_own(ports: Ports) -> None:
+    a = request(request_id="same", tenant="tenant-a", seed=1)
+    b = request("a blue square moving up on a white background", request_id="same", tenant="tenant-b", seed=2)
+    ports.scheduler.handle_requests([Msg(a.to_bytes(), 0, b"same"), Msg(b.to_bytes(), 1, b"same")])
+    assert [(o.request.tenant, o.request.request_id) for o in ports.dispatcher.orders] == [
+        ("tenant-a", "same"),
+        ("tenant-b", "same"),
+    ]
+    assert ports.scheduler.stats.duplicates == 0
+    assert ports.ledger.state("tenant-a/same") == ports.ledger.state("tenant-b/same") == "dispatched"
+
+    ports.scheduler.handle_results([Msg(done("same", tenant="tenant-b").to_bytes(), 0, topic="results")])
+    assert (
+        ports.ledger.state("tenant-b/same") == "done" and ports.ledger.state("tenant-a/same") == "dispatched"
+    )
+    entry_b = ports.index.get("tenant-b/same")
+    assert entry_b is not None and entry_b.tenant == "tenant-b" and entry_b.prompt == b.prompt
+
+
+def test_a_request_sent_again_after_it_failed_is_scheduled_anew(ports: Ports) -> None:
+    first = request(request_id="again")
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0, b"again")])
+    failed = GenerationResult(request_id="again", tenant="default", status=ResultStatus.FAILED)
+    ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
+    # the same message redelivered is still a duplicate; a new message with the id is a new attempt
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0, b"again")])
+    assert len(ports.dispatcher.orders) == 1
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 9, b"again")])
+    assert len(ports.dispatcher.orders) == 2 and ports.ledger.state("again") == "dispatched"

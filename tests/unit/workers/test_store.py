@@ -50,6 +50,11 @@ def test_a_write_to_a_store_that_is_down_is_retried_until_it_comes_back() -> Non
             server.stop()
 
 
+def _record_and_sleep(pauses: list[float], seconds: float) -> None:
+    pauses.append(seconds)
+    time.sleep(seconds)
+
+
 def test_a_write_gives_up_when_its_retry_window_is_spent() -> None:
     pauses: list[float] = []
     store = ObjectStore(
@@ -59,7 +64,7 @@ def test_a_write_gives_up_when_its_retry_window_is_spent() -> None:
         secret_key="s",
         timeout_s=1.0,
         write_retry_s=2.0,
-        sleep=lambda s: (pauses.append(s), time.sleep(s))[-1],
+        sleep=lambda s: _record_and_sleep(pauses, s),
     )
     start = time.monotonic()
     with pytest.raises(StoreError, match="cannot write"):
