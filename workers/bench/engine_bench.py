@@ -106,62 +106,65 @@ class _StepClock:
         self._last = now
 
 
-def run_config(
+def _timed(engine: Any, request: Any, plan: Any, donor: Any, stage: int) -> tuple[Any, _Samples, _Samples]:
+    """Run one request; the wall and CPU time of its computed steps of ``stage``: (output, first, the rest)."""
+    clock = _StepClock()
+    out = engine.generate(request, plan, donor=donor, on_start=clock.start, on_step=clock.step)
+    chosen = [s for s in out.steps if s.stage == stage and s.computed]
+    # the first computed step of a request also projects the prompt (text embedder, cross-attention K/V);
+    # later steps reuse that, so it is reported apart
+    first, rest = _Samples.empty(), _Samples.empty()
+    for k, s in enumerate(chosen):
+        target = first if k == 0 else rest
+        target.wall.append(s.seconds)
+        target.cpu.append(clock.cpu[s.index])
+    return out, first, rest
+
+
+@dataclass
+class _RequestTimes:
+    """Step times of whole requests over all rounds (full steps, and SRD steps per active fraction)."""
+
+    full: _Samples
+    full_first: _Samples
+    srd: dict[float, _Samples]
+    achieved: dict[float, list[float]]  # active fractions the SRD steps really had
+    traj_bytes: dict[str, int]  # size of one full request's trajectory
+    last_full: Any  # the last full request's output (its trajectory is the donor, its metadata the shape)
+
+
+def _time_requests(
+    engine: Any,
     config: BenchConfig,
-    *,
-    steps: int = 4,
-    repeats: int = 3,
-    fractions: tuple[float, ...] = FRACTIONS,
-    log: Callable[[str], None] = lambda _: None,
-) -> dict[str, Any]:
-    from producer.contract import ReusePlan, build_request
-    from workers.engine.engine import Engine
+    requests: tuple[Any, Any],
+    steps: int,
+    repeats: int,
+    fractions: tuple[float, ...],
+    log: Callable[[str], None],
+) -> _RequestTimes:
+    """``repeats`` rounds of: a full request, then per fraction an SRD request reusing it as donor."""
+    from producer.contract import ReusePlan
 
-    t_build = time.perf_counter()
-    bundle = _bundle(config.name)
-    engine = Engine(bundle)
-    build_s = time.perf_counter() - t_build
-    common = {
-        "model": bundle.spec.name,
-        "num_frames": config.num_frames,
-        "height": config.height,
-        "width": config.width,
-        "num_steps": steps,
-        "guidance_scale": config.guidance_scale,
-    }
-    donor_req = build_request(prompt="a red circle moving left on a white background", seed=1, **common)
-    target_req = build_request(prompt="a blue circle moving left on a white background", seed=2, **common)
-
-    def timed(request: Any, plan: Any, donor: Any, stage: int) -> tuple[Any, _Samples, _Samples]:
-        clock = _StepClock()
-        out = engine.generate(request, plan, donor=donor, on_start=clock.start, on_step=clock.step)
-        chosen = [s for s in out.steps if s.stage == stage and s.computed]
-        # the first computed step of a request also projects the prompt (text embedder, cross-attention K/V);
-        # later steps reuse that, so it is reported apart
-        first, rest = _Samples.empty(), _Samples.empty()
-        for k, s in enumerate(chosen):
-            target = first if k == 0 else rest
-            target.wall.append(s.seconds)
-            target.cpu.append(clock.cpu[s.index])
-        return out, first, rest
-
-    log(f"{config.name}: warm-up")
-    engine.generate(donor_req, ReusePlan.full(steps))
-
-    full, full_first = _Samples.empty(), _Samples.empty()
-    srd = {f: _Samples.empty() for f in fractions}
-    achieved: dict[float, list[float]] = {f: [] for f in fractions}
-    traj_bytes: dict[str, int] = {}
+    donor_req, target_req = requests
+    times = _RequestTimes(
+        _Samples.empty(),
+        _Samples.empty(),
+        {f: _Samples.empty() for f in fractions},
+        {f: [] for f in fractions},
+        {},
+        None,
+    )
     for r in range(repeats):
         log(f"{config.name}: round {r + 1}/{repeats}: full request")
-        out, first, rest = timed(donor_req, ReusePlan.full(steps), None, 3)
-        full.wall += rest.wall
-        full.cpu += rest.cpu
-        full_first.wall += first.wall
-        full_first.cpu += first.cpu
-        if not traj_bytes:
+        out, first, rest = _timed(engine, donor_req, ReusePlan.full(steps), None, 3)
+        times.last_full = out
+        times.full.wall += rest.wall
+        times.full.cpu += rest.cpu
+        times.full_first.wall += first.wall
+        times.full_first.cpu += first.cpu
+        if not times.traj_bytes:
             traj = out.trajectory
-            traj_bytes = {
+            times.traj_bytes = {
                 "float32": len(traj.to_bytes("float32")),
                 "float16": len(traj.to_bytes("float16")),
                 "payload_float32": traj.nbytes("float32"),
@@ -176,20 +179,25 @@ def run_config(
                 min_active_fraction=f,
                 max_active_fraction=f,
             )
-            o, _, rest = timed(target_req, plan, out.trajectory, 2)
-            srd[f].wall += rest.wall
-            srd[f].cpu += rest.cpu
-            achieved[f].extend(s.active_fraction for s in o.steps if s.stage == 2)
+            o, _, rest = _timed(engine, target_req, plan, out.trajectory, 2)
+            times.srd[f].wall += rest.wall
+            times.srd[f].cpu += rest.cpu
+            times.achieved[f].extend(s.active_fraction for s in o.steps if s.stage == 2)
+    return times
 
-    # Transformer passes alone, interleaved (full, then each fraction, per round): the SRD hooks' own scaling,
-    # less exposed to other load on the machine than whole requests.
-    log(f"{config.name}: interleaved transformer passes")
-    meta = out.trajectory.meta
-    batch = 2 if config.guidance_scale > 1.0 else 1
+
+def _time_passes(
+    engine: Any,
+    bundle: Any,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    meta: Any,
+    repeats: int,
+    fractions: tuple[float, ...],
+) -> dict[str, _Samples]:
+    """Transformer passes alone, interleaved (full, then each fraction, per round): the SRD hooks' own scaling,
+    less exposed to other load on the machine than whole requests."""
+    x, ts, text = inputs
     seq = meta.num_tokens
-    x = torch.randn(batch, *meta.latent_shape)
-    text = torch.cat([bundle.encode_prompt(donor_req.prompt).embeddings] * batch)
-    ts = torch.full((batch,), 500.0)
     inst = engine._inst
     passes = {"full": _Samples.empty(), **{str(f): _Samples.empty() for f in fractions}}
 
@@ -217,9 +225,14 @@ def run_config(
             passes[key].wall.append(w)
             passes[key].cpu.append(c)
     inst.reset()
+    return passes
 
-    # the plain diffusers transformer (hooks and processors removed) on the same input, for reference
-    engine.close()
+
+def _time_plain_forward(
+    bundle: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], repeats: int
+) -> _Samples:
+    """The plain diffusers transformer (call after ``Engine.close``: hooks and processors removed)."""
+    x, ts, text = inputs
     plain = _Samples.empty()
     with torch.no_grad():
         for _ in range(max(2, repeats)):
@@ -227,13 +240,13 @@ def run_config(
             bundle.transformer(hidden_states=x, timestep=ts, encoder_hidden_states=text, return_dict=False)
             plain.wall.append(time.perf_counter() - w)
             plain.cpu.append(time.process_time() - c)
+    return plain
 
-    full_sum = full.summary()
-    pass_full = passes["full"].summary()
+
+def _describe(config: BenchConfig, bundle: Any, meta: Any, batch: int, steps: int) -> dict[str, Any]:
+    """The report's ``transformer`` and ``request`` sections: what was timed."""
     cfg_t = bundle.transformer.config
-    result: dict[str, Any] = {
-        "config": config.name,
-        "description": config.description,
+    return {
         "transformer": {
             "layers": int(cfg_t.num_layers),
             "heads": int(cfg_t.num_attention_heads),
@@ -253,24 +266,26 @@ def run_config(
             "cfg_batch": batch,
             "steps": steps,
         },
-        "rounds": repeats,
-        "build_seconds": round(build_s, 3),
-        "full_step": full_sum,
-        "first_computed_step": full_first.summary(),
-        "srd": [],
-        "transformer_pass": {"full": pass_full},
-        "plain_transformer_forward": plain.summary(),
-        "trajectory_bytes_per_request": traj_bytes,
     }
+
+
+def _srd_rows(
+    times: _RequestTimes, passes: dict[str, _Samples], fractions: tuple[float, ...]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per active fraction: the SRD step against the full step, and the SRD pass against the full pass."""
+    full_sum = times.full.summary()
+    pass_full = passes["full"].summary()
+    rows: list[dict[str, Any]] = []
+    transformer_pass: dict[str, Any] = {"full": pass_full}
     for f in fractions:
-        step = srd[f].summary()
+        step = times.srd[f].summary()
         ratio_wall = step["wall_s"] / full_sum["wall_s"]
         ratio_cpu = step["cpu_s"] / full_sum["cpu_s"]
         ratio_min = step["wall_min_s"] / full_sum["wall_min_s"]
-        result["srd"].append(
+        rows.append(
             {
                 "active_fraction": f,
-                "achieved_active_fraction": round(_median(achieved[f]), 4),
+                "achieved_active_fraction": round(_median(times.achieved[f]), 4),
                 "step": step,
                 "ratio_wall": round(ratio_wall, 4),
                 "ratio_cpu": round(ratio_cpu, 4),
@@ -281,13 +296,71 @@ def run_config(
             }
         )
         p = passes[str(f)].summary()
-        result["transformer_pass"][str(f)] = {
+        transformer_pass[str(f)] = {
             **p,
             "ratio_wall": round(p["wall_s"] / pass_full["wall_s"], 4),
             "ratio_cpu": round(p["cpu_s"] / pass_full["cpu_s"], 4),
             "ratio_wall_min": round(p["wall_min_s"] / pass_full["wall_min_s"], 4),
         }
-    return result
+    return rows, transformer_pass
+
+
+def run_config(
+    config: BenchConfig,
+    *,
+    steps: int = 4,
+    repeats: int = 3,
+    fractions: tuple[float, ...] = FRACTIONS,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    from producer.contract import ReusePlan, build_request
+    from workers.engine.engine import Engine
+
+    t_build = time.perf_counter()
+    bundle = _bundle(config.name)
+    engine = Engine(bundle)
+    build_s = time.perf_counter() - t_build
+    common = {
+        "model": bundle.spec.name,
+        "num_frames": config.num_frames,
+        "height": config.height,
+        "width": config.width,
+        "num_steps": steps,
+        "guidance_scale": config.guidance_scale,
+    }
+    donor_req = build_request(prompt="a red circle moving left on a white background", seed=1, **common)
+    target_req = build_request(prompt="a blue circle moving left on a white background", seed=2, **common)
+
+    log(f"{config.name}: warm-up")
+    engine.generate(donor_req, ReusePlan.full(steps))
+    times = _time_requests(engine, config, (donor_req, target_req), steps, repeats, fractions, log)
+
+    log(f"{config.name}: interleaved transformer passes")
+    meta = times.last_full.trajectory.meta
+    batch = 2 if config.guidance_scale > 1.0 else 1
+    x = torch.randn(batch, *meta.latent_shape)
+    text = torch.cat([bundle.encode_prompt(donor_req.prompt).embeddings] * batch)
+    ts = torch.full((batch,), 500.0)
+    passes = _time_passes(engine, bundle, (x, ts, text), meta, repeats, fractions)
+
+    # the plain diffusers transformer (hooks and processors removed) on the same input, for reference
+    engine.close()
+    plain = _time_plain_forward(bundle, (x, ts, text), repeats)
+
+    srd, transformer_pass = _srd_rows(times, passes, fractions)
+    return {
+        "config": config.name,
+        "description": config.description,
+        **_describe(config, bundle, meta, batch, steps),
+        "rounds": repeats,
+        "build_seconds": round(build_s, 3),
+        "full_step": times.full.summary(),
+        "first_computed_step": times.full_first.summary(),
+        "srd": srd,
+        "transformer_pass": transformer_pass,
+        "plain_transformer_forward": plain.summary(),
+        "trajectory_bytes_per_request": times.traj_bytes,
+    }
 
 
 def run_bench(

@@ -41,10 +41,15 @@ from __future__ import annotations
 
 import os
 import shlex
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from workers.bench.cachedit import CacheDiTSettings
+    from workers.bench.suite import BenchConfig
 
 # --quick: 2 prompts × 1 seed, 2 steps, 2 calibration prompts, probe α 1 and 2, 2 prompts on the contact sheet
 QUICK_PROMPTS, QUICK_STEPS, QUICK_CALIBRATION_PROMPTS, QUICK_ALPHAS, QUICK_SHEET_PROMPTS = 2, "2", 2, "1,2", 2
@@ -180,61 +185,140 @@ def bench_quality(
     quick: bool = typer.Option(False, "--quick", help="Tiny smoke setting (2 prompts, 2 steps) for tests."),
 ) -> None:
     """Attribute accuracy with and without Chorus reuse (TGAA ablation) and cache-dit; optionally calibrate."""
+    # Every option by name: at this point the function's locals are exactly its parameters.
+    args = QualityArgs(**{name: value for name, value in locals().items() if name != "ctx"})
+    _run(args.with_quick() if args.quick else args, _command(ctx))
+
+
+@dataclass(frozen=True)
+class QualityArgs:
+    """``chorus bench quality``'s options as given (``with_quick`` applies ``--quick``)."""
+
+    as_json: bool
+    out: Path | None
+    weights_dir: Path | None
+    prompts: int
+    seeds: int
+    steps: str
+    rows: str
+    classes: str
+    guidance: float | None
+    ablation_alphas: str
+    cachedit_thresholds: str
+    cachedit_fn: int
+    cachedit_bn: int
+    cachedit_warmup: int | None
+    calibration: Path | None
+    calibrate: bool
+    calibration_out: Path | None
+    calibration_prompts: int
+    calibration_seeds: int
+    negative_prompts: int
+    min_row_pairs: int
+    tolerance: float
+    out_dir: Path
+    sheet_prompts: int
+    judge: str
+    threads: int
+    quick: bool
+
+    def with_quick(self) -> QualityArgs:
+        return replace(
+            self,
+            prompts=QUICK_PROMPTS,
+            seeds=1,
+            steps=QUICK_STEPS,
+            calibration_prompts=QUICK_CALIBRATION_PROMPTS,
+            ablation_alphas=QUICK_ALPHAS,
+            sheet_prompts=min(self.sheet_prompts, QUICK_SHEET_PROMPTS),
+            negative_prompts=min(self.negative_prompts, QUICK_NEGATIVE_PROMPTS),
+            min_row_pairs=QUICK_MIN_ROW_PAIRS,
+        )
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    """The list-valued options parsed and checked, the cache-dit settings and the weights directory."""
+
+    steps: tuple[int, ...]
+    rows: tuple[str, ...]
+    classes: tuple[str, ...]
+    judge: tuple[str, ...]
+    alphas: tuple[float, ...]
+    cachedit: tuple[CacheDiTSettings, ...]
+    weights_dir: Path
+
+
+def _run(args: QualityArgs, command: str) -> None:
     import torch
 
+    from workers.bench import suite
+
+    torch.set_num_threads(args.threads)
+    parsed = _parse(args)
+    config = _bench_config(args, parsed, command)
+    report = suite.run(config, suite.Progress(enabled=True))
+    text = suite.dumps(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    if args.as_json:
+        typer.echo(text)
+        return
+    _print_table(report)
+
+
+def _parse(args: QualityArgs) -> _Parsed:
+    """Parse and check the options (``typer.BadParameter`` on the first problem)."""
     from producer.catalog import CATALOG
     from workers.bench import suite
     from workers.bench.cachedit import CacheDiTSettings
-    from workers.bench.calibrate import default_grid
     from workers.bench.pairs import PAIR_CLASSES
-    from workers.engine.registry import load_bundle
-    from workers.toy.model import WEIGHTS_DIR, WEIGHTS_FILE, sha256_file
+    from workers.toy.model import WEIGHTS_DIR, WEIGHTS_FILE
     from workers.toy.world import ATTRIBUTE_NAMES
 
-    if quick:
-        prompts, seeds, steps = QUICK_PROMPTS, 1, QUICK_STEPS
-        calibration_prompts, ablation_alphas = QUICK_CALIBRATION_PROMPTS, QUICK_ALPHAS
-        sheet_prompts = min(sheet_prompts, QUICK_SHEET_PROMPTS)
-        negative_prompts, min_row_pairs = min(negative_prompts, QUICK_NEGATIVE_PROMPTS), QUICK_MIN_ROW_PAIRS
-    torch.set_num_threads(threads)
-    step_list = _ints(steps, "--steps")
-    row_list = _names(rows, suite.ROW_KINDS, "--rows")
-    class_list = _names(classes, PAIR_CLASSES, "--classes")
-    judged = _names(judge, ATTRIBUTE_NAMES, "--judge")
+    step_list = _ints(args.steps, "--steps")
+    row_list = _names(args.rows, suite.ROW_KINDS, "--rows")
+    class_list = _names(args.classes, PAIR_CLASSES, "--classes")
+    judged = _names(args.judge, ATTRIBUTE_NAMES, "--judge")
     if not judged:
         raise typer.BadParameter("--judge: name at least one attribute")
-    alphas = _floats(ablation_alphas, "--ablation-alphas")
+    alphas = _floats(args.ablation_alphas, "--ablation-alphas")
     if any(not 1.0 <= a <= 20.0 for a in alphas):
         raise typer.BadParameter("--ablation-alphas: each α must be within [1, 20]")
-    thresholds = _floats(cachedit_thresholds, "--cachedit-thresholds") or (0.08,)
-    wdir = weights_dir or Path(os.environ.get("CHORUS_TOY_WEIGHTS_DIR") or WEIGHTS_DIR)
+    thresholds = _floats(args.cachedit_thresholds, "--cachedit-thresholds") or (0.08,)
+    wdir = args.weights_dir or Path(os.environ.get("CHORUS_TOY_WEIGHTS_DIR") or WEIGHTS_DIR)
     if not (wdir / WEIGHTS_FILE).exists():
         raise typer.BadParameter(f"no toy weights in {wdir} (train them with `chorus train-toy`)")
     for n in step_list:
         why = CATALOG["toy"].num_steps.check(n)
         if why is not None:
             raise typer.BadParameter(f"--steps {n}: {why}")
-    g, g_source = resolve_guidance(guidance)
     cache_settings = tuple(
         CacheDiTSettings(
-            fn_compute_blocks=cachedit_fn,
-            bn_compute_blocks=cachedit_bn,
+            fn_compute_blocks=args.cachedit_fn,
+            bn_compute_blocks=args.cachedit_bn,
             residual_diff_threshold=t,
-            max_warmup_steps=cachedit_warmup,
+            max_warmup_steps=args.cachedit_warmup,
         )
         for t in thresholds
     )
-    from chorus_sched.planner import default_calibration_path
+    return _Parsed(step_list, row_list, class_list, judged, alphas, cache_settings, wdir)
 
-    cal_out = calibration_out or default_calibration_path()
+
+def _settings_report(args: QualityArgs, parsed: _Parsed) -> dict[str, Any]:
+    """The report's ``settings``: what this run measured, as the options resolved."""
+    from workers.bench import suite
+    from workers.bench.calibrate import default_grid
+
     settings: dict[str, Any] = {
-        "prompts": prompts,
-        "seeds": seeds,
-        "targets": prompts * seeds,
-        "steps": list(step_list),
-        "rows": list(row_list),
-        "classes": list(class_list),
-        "ablation_alphas": list(alphas),
+        "prompts": args.prompts,
+        "seeds": args.seeds,
+        "targets": args.prompts * args.seeds,
+        "steps": list(parsed.steps),
+        "rows": list(parsed.rows),
+        "classes": list(parsed.classes),
+        "ablation_alphas": list(parsed.alphas),
         "probe_plan": {"k1_fraction": suite.PROBE_K1, "k2_fraction": suite.PROBE_K2},
         "cachedit": [
             {k: v for k, v in s.describe(0).items() if k != "max_warmup_steps"}
@@ -243,61 +327,63 @@ def bench_quality(
                 if s.max_warmup_steps is not None
                 else "max(1, min(8, N//4))"
             }
-            for s in cache_settings
+            for s in parsed.cachedit
         ],
-        "calibrate": calibrate,
-        "calibration_prompts": calibration_prompts,
-        "calibration_seeds": calibration_seeds,
-        "negative_prompts": negative_prompts,
-        "min_row_pairs": min_row_pairs,
-        "tolerance": tolerance,
-        "quick": quick,
-        "threads": threads,
-        "judge": list(judged),
+        "calibrate": args.calibrate,
+        "calibration_prompts": args.calibration_prompts,
+        "calibration_seeds": args.calibration_seeds,
+        "negative_prompts": args.negative_prompts,
+        "min_row_pairs": args.min_row_pairs,
+        "tolerance": args.tolerance,
+        "quick": args.quick,
+        "threads": args.threads,
+        "judge": list(parsed.judge),
         "eval_set": "workers.bench.pairs.eval_targets(prompts, seeds) (EVAL_TEMPLATES, seed base 2000000)",
     }
-    if calibrate:
-        settings["calibration_grid"] = {str(n): default_grid(n) for n in step_list}
+    if args.calibrate:
+        settings["calibration_grid"] = {str(n): default_grid(n) for n in parsed.steps}
+    return settings
+
+
+def _bench_config(args: QualityArgs, parsed: _Parsed, command: str) -> BenchConfig:
+    from chorus_sched.planner import default_calibration_path
+    from workers.bench import suite
+    from workers.engine.registry import load_bundle
+    from workers.toy.model import WEIGHTS_FILE, sha256_file
+
+    g, g_source = resolve_guidance(args.guidance)
+    wdir = parsed.weights_dir
 
     def load() -> Any:
         return load_bundle("toy", toy_weights_dir=wdir)
 
-    config = suite.BenchConfig(
+    return suite.BenchConfig(
         load_bundle=load,
         weights={"weights_dir": str(wdir), "weights_id": sha256_file(wdir / WEIGHTS_FILE)},
         guidance=g,
         guidance_source=g_source,
-        prompts=prompts,
-        seeds=seeds,
-        steps=step_list,
-        rows=row_list,
-        classes=class_list,
-        ablation_alphas=alphas,
-        cachedit=cache_settings,
-        calibration_path=calibration,
-        calibrate=calibrate,
-        calibration_out=cal_out,
-        calibration_prompts=calibration_prompts,
-        calibration_seeds=calibration_seeds,
-        negative_prompts=negative_prompts,
-        min_row_pairs=min_row_pairs,
-        tolerance=tolerance,
-        out_dir=out_dir,
-        sheet_prompts=sheet_prompts,
-        command=_command(ctx),
-        quick=quick,
-        settings_report=settings,
-        judge=judged,
+        prompts=args.prompts,
+        seeds=args.seeds,
+        steps=parsed.steps,
+        rows=parsed.rows,
+        classes=parsed.classes,
+        ablation_alphas=parsed.alphas,
+        cachedit=parsed.cachedit,
+        calibration_path=args.calibration,
+        calibrate=args.calibrate,
+        calibration_out=args.calibration_out or default_calibration_path(),
+        calibration_prompts=args.calibration_prompts,
+        calibration_seeds=args.calibration_seeds,
+        negative_prompts=args.negative_prompts,
+        min_row_pairs=args.min_row_pairs,
+        tolerance=args.tolerance,
+        out_dir=args.out_dir,
+        sheet_prompts=args.sheet_prompts,
+        command=command,
+        quick=args.quick,
+        settings_report=_settings_report(args, parsed),
+        judge=parsed.judge,
     )
-    report = suite.run(config, suite.Progress(enabled=True))
-    text = suite.dumps(report)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-    if as_json:
-        typer.echo(text)
-        return
-    _print_table(report)
 
 
 def _print_table(report: dict[str, Any]) -> None:
