@@ -271,6 +271,31 @@ def test_hostile_messages_are_dead_lettered_and_the_requests_behind_them_run(har
     assert all(r.status is ResultStatus.REJECTED for r in rejected.values())
 
 
+def test_with_the_index_held_by_another_client_requests_are_computed_in_full_not_rejected(
+    harness: Harness,
+) -> None:
+    from qdrant_client import QdrantClient
+
+    # Another Qdrant client has the local-mode folder open (its own lock): the index cannot be opened.
+    intruder = QdrantClient(path=harness.settings.resolved_qdrant_path)
+    try:
+        auto = request(request_id="while-down", seed=1)
+        off = request(OTHER, request_id="off-while-down", reuse="off")
+        harness.publish(auto, off)
+        harness.wait_handled()
+    finally:
+        intruder.close()
+    tasks = harness.generate_tasks()
+    assert sorted(tasks) == ["off-while-down", "while-down"]
+    assert all(t.order.plan == ReusePlan.full(4) and t.order.donor is None for t in tasks.values())
+    assert harness.scheduler.stats.dead_lettered == 0
+    assert harness.scheduler.stats.index_unavailable == 1  # only the reuse: auto request needed the index
+    # the index is back: the next request uses it again
+    harness.publish(request(request_id="after-down", seed=2))
+    harness.wait_handled()
+    assert harness.scheduler.index.get("after-down") is not None
+
+
 def test_requests_become_one_task_each_bad_ones_are_dead_lettered_and_duplicates_skipped(
     harness: Harness,
 ) -> None:
