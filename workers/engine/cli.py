@@ -13,12 +13,19 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from producer.contract import GenerationRequest, ReusePlan
+    from workers.engine.bundle import ModelBundle
+    from workers.engine.output import GenerationOutput
+    from workers.engine.trajectory import Trajectory
+    from workers.settings import WorkerSettings
 
 _err = Console(stderr=True)
 
@@ -83,54 +90,22 @@ def generate(
 ) -> None:
     """Generate one video from a prompt, optionally reusing a saved trajectory."""
     _setup_logging(verbose)
-    from pydantic import ValidationError
-
-    from producer.contract import ContractError, ReusePlan, build_request
     from workers.settings import WorkerSettings
 
     settings = WorkerSettings()
-    fields: dict[str, Any] = {"prompt": prompt, "model": model, "seed": seed}
-    for key, value in (
-        ("negative_prompt", negative_prompt),
-        ("num_steps", steps),
-        ("num_frames", frames),
-        ("height", height),
-        ("width", width),
-        ("guidance_scale", guidance),
-    ):
-        if value is not None:
-            fields[key] = value
-    try:
-        request = build_request(**fields)
-    except ContractError as exc:
-        _fail("; ".join(str(i) for i in exc.issues))
-
-    n = request.num_steps
-    if donor is None:
-        if any(v is not None for v in (k1, k2, k3)):
-            _fail("--k1/--k2/--k3 need a --donor trajectory")
-        plan = ReusePlan.full(n)
-    else:
-        s1 = k1 if k1 is not None else round(0.2 * n)
-        s2 = k2 if k2 is not None else round(0.4 * n)
-        s3 = k3 if k3 is not None else n - s1 - s2
-        if s1 + s2 + s3 != n or min(s1, s2, s3) < 0:
-            _fail(f"--k1 {s1} + --k2 {s2} + --k3 {s3} must add up to the {n} steps")
-        try:
-            plan = ReusePlan(
-                stage1_steps=s1,
-                stage2_steps=s2,
-                stage3_steps=s3,
-                alpha=alpha,
-                mask_threshold=mask_threshold,
-                min_active_fraction=min_active,
-                max_active_fraction=max_active,
-            )
-        except ValidationError as exc:
-            _fail(f"bad plan: {exc.errors()[0]['msg']}")
+    request = _build_request(
+        {"prompt": prompt, "model": model, "seed": seed},
+        negative_prompt=negative_prompt,
+        num_steps=steps,
+        num_frames=frames,
+        height=height,
+        width=width,
+        guidance_scale=guidance,
+    )
+    stages = (k1, k2, k3)
+    plan = _plan(request.num_steps, donor, stages, alpha, mask_threshold, (min_active, max_active))
     if trajectory_dtype not in ("float32", "float16"):
         _fail("--trajectory-dtype must be float32 or float16")
-
     video_fmt = fmt or (
         output.suffix.lstrip(".").lower() if output and output.suffix else settings.video_format
     )
@@ -139,29 +114,11 @@ def generate(
     out_path = output or Path(f"chorus-{request.request_id[:8]}.{video_fmt}")
 
     from workers.engine.engine import Engine
-    from workers.engine.errors import CorruptTrajectory, IncompatibleDonor, ModelUnavailable
-    from workers.engine.registry import load_bundle
-    from workers.engine.trajectory import Trajectory
+    from workers.engine.errors import IncompatibleDonor
     from workers.video import encode_video
 
-    donor_traj = None
-    if donor is not None:
-        try:
-            donor_traj = Trajectory.load(donor)
-        except (OSError, CorruptTrajectory) as exc:
-            _fail(f"cannot read donor trajectory {donor}: {exc}")
-    try:
-        with _err.status(f"loading {model}…"):
-            bundle = load_bundle(
-                model,
-                device=device or settings.device,
-                dtype=dtype or settings.dtype,
-                wan21_dir=settings.wan21_dir,
-                toy_weights_dir=settings.toy_weights_dir,
-            )
-    except (ModelUnavailable, ValueError) as exc:
-        _fail(str(exc))
-    engine = Engine(bundle)
+    donor_traj = _read_donor(donor) if donor is not None else None
+    engine = Engine(_load(model, device or settings.device, dtype or settings.dtype, settings))
     try:
         result = engine.generate(request, plan, donor=donor_traj, progress=not as_json)
     except IncompatibleDonor as exc:
@@ -184,10 +141,100 @@ def generate(
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
         return
+    _print_summary(result, request, plan, donor_traj, summary, video_fmt, trajectory_dtype)
+
+
+def _build_request(fields: dict[str, Any], **optional: Any) -> GenerationRequest:
+    """The request from the required fields and the options given (None: the model's default)."""
+    from producer.contract import ContractError, build_request
+
+    fields = {**fields, **{k: v for k, v in optional.items() if v is not None}}
+    try:
+        return build_request(**fields)
+    except ContractError as exc:
+        _fail("; ".join(str(i) for i in exc.issues))
+
+
+def _plan(
+    n: int,
+    donor: Path | None,
+    stages: tuple[int | None, int | None, int | None],
+    alpha: float,
+    mask_threshold: float,
+    active: tuple[float, float],
+) -> ReusePlan:
+    """Full without a donor; else k1/k2/k3 as given, defaulting to 20% / 40% / the rest of the steps."""
+    from pydantic import ValidationError
+
+    from producer.contract import ReusePlan
+
+    k1, k2, k3 = stages
+    if donor is None:
+        if any(v is not None for v in stages):
+            _fail("--k1/--k2/--k3 need a --donor trajectory")
+        return ReusePlan.full(n)
+    s1 = k1 if k1 is not None else round(0.2 * n)
+    s2 = k2 if k2 is not None else round(0.4 * n)
+    s3 = k3 if k3 is not None else n - s1 - s2
+    if s1 + s2 + s3 != n or min(s1, s2, s3) < 0:
+        _fail(f"--k1 {s1} + --k2 {s2} + --k3 {s3} must add up to the {n} steps")
+    try:
+        return ReusePlan(
+            stage1_steps=s1,
+            stage2_steps=s2,
+            stage3_steps=s3,
+            alpha=alpha,
+            mask_threshold=mask_threshold,
+            min_active_fraction=active[0],
+            max_active_fraction=active[1],
+        )
+    except ValidationError as exc:
+        _fail(f"bad plan: {exc.errors()[0]['msg']}")
+
+
+def _read_donor(path: Path) -> Trajectory:
+    from workers.engine.errors import CorruptTrajectory
+    from workers.engine.trajectory import Trajectory
+
+    try:
+        return Trajectory.load(path)
+    except (OSError, CorruptTrajectory) as exc:
+        _fail(f"cannot read donor trajectory {path}: {exc}")
+
+
+def _load(model: str, device: str, dtype: str, settings: WorkerSettings) -> ModelBundle:
+    from workers.engine.errors import ModelUnavailable
+    from workers.engine.registry import load_bundle
+
+    try:
+        with _err.status(f"loading {model}…"):
+            return load_bundle(
+                model,
+                device=device,
+                dtype=dtype,
+                wan21_dir=settings.wan21_dir,
+                toy_weights_dir=settings.toy_weights_dir,
+            )
+    except (ModelUnavailable, ValueError) as exc:
+        _fail(str(exc))
+
+
+def _print_summary(
+    result: GenerationOutput,
+    request: GenerationRequest,
+    plan: ReusePlan,
+    donor_traj: Trajectory | None,
+    summary: dict[str, Any],
+    video_fmt: str,
+    trajectory_dtype: str,
+) -> None:
     console = Console()
     table = Table(show_header=False, box=None)
-    table.add_row("video", f"{out_path} ({len(data):,} bytes, {video_fmt}, {result.frames.shape[0]} frames)")
-    table.add_row("request", f"{request.request_id}  model {model}  seed {request.seed}")
+    table.add_row(
+        "video",
+        f"{summary['output']} ({summary['video_bytes']:,} bytes, {video_fmt}, {result.frames.shape[0]} frames)",
+    )
+    table.add_row("request", f"{request.request_id}  model {summary['model']}  seed {request.seed}")
     table.add_row(
         "steps",
         f"{result.steps_computed}/{result.steps_requested} computed, "
@@ -203,8 +250,11 @@ def generate(
         )
     if result.fallback:
         table.add_row("fallback", escape(result.fallback))
-    if save_trajectory is not None:
-        table.add_row("trajectory", f"{save_trajectory} ({traj_bytes:,} bytes, {trajectory_dtype})")
+    if summary["trajectory"] is not None:
+        table.add_row(
+            "trajectory",
+            f"{summary['trajectory']} ({summary['trajectory_bytes']:,} bytes, {trajectory_dtype})",
+        )
     console.print(table)
 
 
