@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from workers.toy.train import TrainConfig
 
 
 def train_toy(
@@ -61,39 +67,15 @@ def train_toy(
     import shlex
     import sys
     import time
-    from typing import Any
 
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     from workers.toy import train as training
-    from workers.toy import world
-    from workers.toy.model import DEFAULT_TRANSFORMER_CONFIG, POSITION_KEY, WEIGHTS_DIR
+    from workers.toy.model import WEIGHTS_DIR
 
     console = Console()
     run_dir = out if out is not None else Path("runs") / time.strftime("toy-%Y%m%d-%H%M%S")
-    transformer = dict(DEFAULT_TRANSFORMER_CONFIG)
-    transformer.update(
-        num_layers=layers, num_attention_heads=heads, attention_head_dim=head_dim, ffn_dim=ffn_dim
-    )
-    patch_size = [int(v) for v in patch.split(",")]
-    if len(patch_size) != 3 or any(v <= 0 for v in patch_size):
-        raise typer.BadParameter(f"--patch needs three positive sizes, got {patch!r}")
-    dims = (world.NUM_FRAMES, world.HEIGHT, world.WIDTH)
-    if any(d % p for d, p in zip(dims, patch_size, strict=True)):
-        raise typer.BadParameter(f"--patch {patch} does not tile {dims[0]}×{dims[1]}×{dims[2]} clips")
-    transformer["patch_size"] = patch_size
-    if positions:
-        transformer[POSITION_KEY] = [d // p for d, p in zip(dims, patch_size, strict=True)]
-    else:
-        transformer.pop(POSITION_KEY, None)
+    transformer = _transformer_config(layers, heads, head_dim, ffn_dim, patch, positions)
     cfg = training.TrainConfig(
         steps=steps,
         batch_size=batch_size,
@@ -118,6 +100,55 @@ def train_toy(
     )
     command = shlex.join(["chorus", "train-toy", *sys.argv[2:]]) if len(sys.argv) > 1 else None
     console.print(f"[bold]train-toy[/] → {run_dir}")
+    log = _train_with_progress(cfg, run_dir, resume, command, console)
+    console.print(f"done in {log['wall_s'] / 60:.1f} min; weights in {run_dir}")
+    if log["evals"]:
+        console.print(f"final evaluation: {log['evals'][-1]}")
+    if install:
+        training.install_weights(run_dir)
+        console.print(f"installed into {WEIGHTS_DIR}")
+
+
+def _transformer_config(
+    layers: int, heads: int, head_dim: int, ffn_dim: int, patch: str, positions: bool
+) -> dict[str, Any]:
+    """The default toy transformer config with the given sizes; the patch must tile the world's clips."""
+    from workers.toy import world
+    from workers.toy.model import DEFAULT_TRANSFORMER_CONFIG, POSITION_KEY
+
+    transformer = dict(DEFAULT_TRANSFORMER_CONFIG)
+    transformer.update(
+        num_layers=layers, num_attention_heads=heads, attention_head_dim=head_dim, ffn_dim=ffn_dim
+    )
+    patch_size = [int(v) for v in patch.split(",")]
+    if len(patch_size) != 3 or any(v <= 0 for v in patch_size):
+        raise typer.BadParameter(f"--patch needs three positive sizes, got {patch!r}")
+    dims = (world.NUM_FRAMES, world.HEIGHT, world.WIDTH)
+    if any(d % p for d, p in zip(dims, patch_size, strict=True)):
+        raise typer.BadParameter(f"--patch {patch} does not tile {dims[0]}×{dims[1]}×{dims[2]} clips")
+    transformer["patch_size"] = patch_size
+    if positions:
+        transformer[POSITION_KEY] = [d // p for d, p in zip(dims, patch_size, strict=True)]
+    else:
+        transformer.pop(POSITION_KEY, None)
+    return transformer
+
+
+def _train_with_progress(
+    cfg: TrainConfig, run_dir: Path, resume: bool, command: str | None, console: Console
+) -> dict[str, Any]:
+    """``train`` under a progress bar that shows the loss and each evaluation's all-correct accuracy."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from workers.toy import train as training
+
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -128,7 +159,7 @@ def train_toy(
         TimeRemainingColumn(),
         console=console,
     ) as progress:
-        task = progress.add_task("training", total=steps, loss=float("nan"), acc="")
+        task = progress.add_task("training", total=cfg.steps, loss=float("nan"), acc="")
 
         def update(step: int, loss: float, result: dict[str, Any] | None) -> None:
             fields: dict[str, Any] = {"loss": loss}
@@ -138,10 +169,4 @@ def train_toy(
                 progress.console.print(f"step {step}: " + ", ".join(accs))
             progress.update(task, completed=step, **fields)
 
-        log = training.train(cfg, run_dir, progress=update, resume=resume, command=command)
-    console.print(f"done in {log['wall_s'] / 60:.1f} min; weights in {run_dir}")
-    if log["evals"]:
-        console.print(f"final evaluation: {log['evals'][-1]}")
-    if install:
-        training.install_weights(run_dir)
-        console.print(f"installed into {WEIGHTS_DIR}")
+        return training.train(cfg, run_dir, progress=update, resume=resume, command=command)

@@ -360,146 +360,186 @@ def train(
     torch.set_num_threads(cfg.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
+    run = _Training(cfg, out_dir, command)
+    start_step = run.resume() if resume else 0
+    (out_dir / TRAIN_CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    run.start()
+    for step in range(start_step, cfg.steps):
+        loss = run.step(step)
+        run.record_loss(step, loss)
+        result = None
+        done = step + 1
+        if done == cfg.steps or (cfg.eval_interval > 0 and done % cfg.eval_interval == 0):
+            result = run.run_eval(done)
+            run.checkpoint(done)
+        if progress is not None:
+            progress(done, loss, result)
+    return run.finish()
+
+
+def _initial_transformer(cfg: TrainConfig) -> Any:
+    """The transformer to train: loaded from ``init_from`` (whose config then replaces ``cfg.transformer``), or
+    built from ``cfg.transformer`` and initialised by ``cfg.init``."""
     if cfg.init_from is not None:
         from workers.toy.model import load_transformer
 
         init_dir = Path(cfg.init_from)
         cfg.transformer = json.loads((init_dir / CONFIG_FILE).read_text())
-        transformer = load_transformer(init_dir).float()
-    else:
-        transformer = build_transformer(cfg.transformer)
-        init_weights(transformer, cfg.init)
-    transformer.train()
-    # A second build rather than a deepcopy: the position table's hook must belong to the copy.
-    ema = build_transformer(cfg.transformer)
-    ema.load_state_dict(transformer.state_dict())
-    ema.eval().requires_grad_(False)
-    heads = AttributeHeads(int(transformer.patch_embedding.out_channels))
-    captured: dict[str, torch.Tensor] = {}
-    if cfg.aux_weight > 0:
-        if cfg.aux_block < 0:
-            raise ValueError(f"aux_block must be ≥ 0, got {cfg.aux_block}")
-        # A model with fewer blocks is read after its last one.
-        aux_block = min(cfg.aux_block, len(transformer.blocks) - 1)
-        transformer.blocks[aux_block].register_forward_hook(
-            lambda _module, _args, output: captured.__setitem__("hidden", output)
+        return load_transformer(init_dir).float()
+    transformer = build_transformer(cfg.transformer)
+    init_weights(transformer, cfg.init)
+    return transformer
+
+
+class _Training:
+    """The state of one ``train`` call (models, optimizer, random streams, log), built in the order that fixes
+    what the seeded global RNG gives each part; one method per phase of the loop."""
+
+    def __init__(self, cfg: TrainConfig, out_dir: Path, command: str | None) -> None:
+        self.cfg = cfg
+        self.out_dir = out_dir
+        self.transformer = _initial_transformer(cfg)
+        self.transformer.train()
+        # A second build rather than a deepcopy: the position table's hook must belong to the copy.
+        self.ema = build_transformer(cfg.transformer)
+        self.ema.load_state_dict(self.transformer.state_dict())
+        self.ema.eval().requires_grad_(False)
+        self.heads = AttributeHeads(int(self.transformer.patch_embedding.out_channels))
+        self.captured: dict[str, torch.Tensor] = {}
+        if cfg.aux_weight > 0:
+            if cfg.aux_block < 0:
+                raise ValueError(f"aux_block must be ≥ 0, got {cfg.aux_block}")
+            # A model with fewer blocks is read after its last one.
+            aux_block = min(cfg.aux_block, len(self.transformer.blocks) - 1)
+            self.transformer.blocks[aux_block].register_forward_hook(
+                lambda _module, _args, output: self.captured.__setitem__("hidden", output)
+            )
+        self.optimizer = torch.optim.AdamW(
+            [*self.transformer.parameters(), *self.heads.parameters()],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(0.9, 0.99),
         )
-    optimizer = torch.optim.AdamW(
-        [*transformer.parameters(), *heads.parameters()],
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        betas=(0.9, 0.99),
-    )
-    rng = np.random.default_rng(cfg.seed)
-    trng = torch.Generator().manual_seed(cfg.seed)
-    log: dict[str, Any] = {
-        "train_config": asdict(cfg),
-        "scheduler_config": SCHEDULER_CONFIG,
-        "parameters": sum(p.numel() for p in transformer.parameters()),
-        "command": command,
-        "loss": [],
-        "evals": [],
-        "wall_s": 0.0,
-    }
-    start_step = 0
-    checkpoint_path = out_dir / CHECKPOINT_FILE
-    if resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
-        transformer.load_state_dict(state["model"])
-        ema.load_state_dict(state["ema"])
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        rng = state["rng"]
-        trng.set_state(state["trng"])
-        log = state["log"]
-        start_step = state["step"]
-    (out_dir / TRAIN_CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        self.rng = np.random.default_rng(cfg.seed)
+        self.trng = torch.Generator().manual_seed(cfg.seed)
+        self.log: dict[str, Any] = {
+            "train_config": asdict(cfg),
+            "scheduler_config": SCHEDULER_CONFIG,
+            "parameters": sum(p.numel() for p in self.transformer.parameters()),
+            "command": command,
+            "loss": [],
+            "evals": [],
+            "wall_s": 0.0,
+        }
+        self.checkpoint_path = out_dir / CHECKPOINT_FILE
+        self.running: list[float] = []
+        self.aux_running: list[float] = []
 
-    pool = CaptionPool(cfg.captions_per_combo, cfg.seed)
-    eval_set = world.eval_prompts(cfg.eval_prompts, seed=12345)
-    ema_params = list(ema.parameters())
-    model_params = list(transformer.parameters())
-    t_start = time.time() - float(log["wall_s"])
-    running: list[float] = []
-    aux_running: list[float] = []
+    def resume(self) -> int:
+        """Continue from the checkpoint, if there is one; the step to start at."""
+        if not self.checkpoint_path.exists():
+            return 0
+        state = torch.load(self.checkpoint_path, weights_only=False)
+        self.transformer.load_state_dict(state["model"])
+        self.ema.load_state_dict(state["ema"])
+        self.heads.load_state_dict(state["heads"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rng = state["rng"]
+        self.trng.set_state(state["trng"])
+        self.log = state["log"]
+        step: int = state["step"]
+        return step
 
-    def checkpoint(step: int) -> None:
-        log["wall_s"] = time.time() - t_start
-        save_weights(ema, cfg.transformer, out_dir)
-        (out_dir / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
-        plot_curve(log, out_dir / CURVE_FILE)
-        torch.save(
-            {
-                "model": transformer.state_dict(),
-                "ema": ema.state_dict(),
-                "heads": heads.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "rng": rng,
-                "trng": trng.get_state(),
-                "log": log,
-                "step": step,
-            },
-            checkpoint_path,
-        )
+    def start(self) -> None:
+        """The caption pool, the held-out prompts and the clock (which goes on from a resumed run's)."""
+        cfg = self.cfg
+        self.pool = CaptionPool(cfg.captions_per_combo, cfg.seed)
+        self.eval_set = world.eval_prompts(cfg.eval_prompts, seed=12345)
+        self.ema_params = list(self.ema.parameters())
+        self.model_params = list(self.transformer.parameters())
+        self.t_start = time.time() - float(self.log["wall_s"])
 
-    def run_eval(step: int) -> dict[str, Any]:
-        t0 = time.time()
-        result: dict[str, Any] = {"step": step}
-        result.update(evaluate(ema, eval_set, cfg.eval_steps, cfg.eval_guidance))
-        result["eval_s"] = round(time.time() - t0, 1)
-        log["evals"].append(result)
-        return result
-
-    for step in range(start_step, cfg.steps):
+    def step(self, step: int) -> float:
+        """One optimizer step on a fresh batch, then the EMA update; the batch's flow-matching loss."""
+        cfg = self.cfg
         shape = (cfg.batch_size, *latent_shape(world.NUM_FRAMES, world.HEIGHT, world.WIDTH))
-        noise = torch.randn(shape, generator=trng)
+        noise = torch.randn(shape, generator=self.trng)
         mids = coupled_mids(noise) if cfg.coupling else None
-        clips, emb, attrs, kept = pool.batch(rng, cfg.batch_size, cfg.caption_dropout, mids)
+        clips, emb, attrs, kept = self.pool.batch(self.rng, cfg.batch_size, cfg.caption_dropout, mids)
         x0 = clips_to_latents(clips)
-        sigma = sample_sigmas(trng, cfg.batch_size, cfg)
+        sigma = sample_sigmas(self.trng, cfg.batch_size, cfg)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
         target = noise - x0
-        for group in optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            pred = transformer(xt, sigma * 1000.0, emb, return_dict=False)[0]
+            pred = self.transformer(xt, sigma * 1000.0, emb, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred.float(), target)
         total = loss
         if cfg.aux_weight > 0 and kept.any():
             # Only captioned samples: a dropped caption says nothing about the attributes.
-            pooled = captured["hidden"].float().mean(dim=1)[kept]
-            aux = heads.loss(pooled, [a for a, k in zip(attrs, kept.tolist(), strict=True) if k])
-            aux_running.append(float(aux.detach()))
+            pooled = self.captured["hidden"].float().mean(dim=1)[kept]
+            aux = self.heads.loss(pooled, [a for a, k in zip(attrs, kept.tolist(), strict=True) if k])
+            self.aux_running.append(float(aux.detach()))
             total = loss + cfg.aux_weight * aux
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         total.backward()
-        torch.nn.utils.clip_grad_norm_(model_params, cfg.grad_clip)
-        optimizer.step()
+        torch.nn.utils.clip_grad_norm_(self.model_params, cfg.grad_clip)
+        self.optimizer.step()
         decay = min(cfg.ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():
-            torch._foreach_lerp_(ema_params, model_params, 1 - decay)
-        running.append(float(loss.detach()))
-        if len(running) == cfg.log_interval or step + 1 == cfg.steps:
-            log["loss"].append([step + 1, float(np.mean(running))])
-            running = []
-            if aux_running:
-                log.setdefault("aux_loss", []).append([step + 1, float(np.mean(aux_running))])
-                aux_running = []
+            torch._foreach_lerp_(self.ema_params, self.model_params, 1 - decay)
+        return float(loss.detach())
+
+    def record_loss(self, step: int, loss: float) -> None:
+        """Every ``log_interval`` steps (and at the last): the mean losses into the log, and progress.json."""
+        cfg, log = self.cfg, self.log
+        self.running.append(loss)
+        if len(self.running) == cfg.log_interval or step + 1 == cfg.steps:
+            log["loss"].append([step + 1, float(np.mean(self.running))])
+            self.running = []
+            if self.aux_running:
+                log.setdefault("aux_loss", []).append([step + 1, float(np.mean(self.aux_running))])
+                self.aux_running = []
             status = {"step": step + 1, "steps": cfg.steps, "loss": log["loss"][-1][1]}
-            status["wall_s"] = round(time.time() - t_start, 1)
-            (out_dir / "progress.json").write_text(json.dumps(status) + "\n")
-        result = None
-        done = step + 1
-        if done == cfg.steps or (cfg.eval_interval > 0 and done % cfg.eval_interval == 0):
-            result = run_eval(done)
-            checkpoint(done)
-        if progress is not None:
-            progress(done, float(loss.detach()), result)
-    log["wall_s"] = time.time() - t_start
-    (out_dir / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
-    plot_curve(log, out_dir / CURVE_FILE)
-    return log
+            status["wall_s"] = round(time.time() - self.t_start, 1)
+            (self.out_dir / "progress.json").write_text(json.dumps(status) + "\n")
+
+    def checkpoint(self, step: int) -> None:
+        log, out_dir = self.log, self.out_dir
+        log["wall_s"] = time.time() - self.t_start
+        save_weights(self.ema, self.cfg.transformer, out_dir)
+        (out_dir / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
+        plot_curve(log, out_dir / CURVE_FILE)
+        torch.save(
+            {
+                "model": self.transformer.state_dict(),
+                "ema": self.ema.state_dict(),
+                "heads": self.heads.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "rng": self.rng,
+                "trng": self.trng.get_state(),
+                "log": log,
+                "step": step,
+            },
+            self.checkpoint_path,
+        )
+
+    def run_eval(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.time()
+        result: dict[str, Any] = {"step": step}
+        result.update(evaluate(self.ema, self.eval_set, cfg.eval_steps, cfg.eval_guidance))
+        result["eval_s"] = round(time.time() - t0, 1)
+        self.log["evals"].append(result)
+        return result
+
+    def finish(self) -> dict[str, Any]:
+        self.log["wall_s"] = time.time() - self.t_start
+        (self.out_dir / LOG_FILE).write_text(json.dumps(self.log, indent=1) + "\n")
+        plot_curve(self.log, self.out_dir / CURVE_FILE)
+        return self.log
 
 
 def install_weights(run_dir: Path, target: Path = WEIGHTS_DIR) -> None:
