@@ -21,6 +21,7 @@ from chorus_sched.batch import BatchOutcome, Message
 from chorus_sched.metrics import METRICS
 from chorus_sched.settings import SchedulerSettings
 from producer import bus
+from producer.readiness import ReadinessEvent
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class _Listener(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         log.info(
-            "partitions assigned",
+            ReadinessEvent.PARTITIONS_ASSIGNED,
             extra={
                 "topic": self.topic,
                 "client": self.client_id,

@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from producer.readiness import ReadinessEvent
+
 if TYPE_CHECKING:
     from workers.settings import WorkerSettings
 
@@ -110,7 +112,7 @@ def worker(
                 try:
                     engine_for(m, settings)
                 except Exception as exc:  # the process stays up; orders for m then fail with the reason
-                    log.error("model not preloaded", extra={"model": m, "error": str(exc)})
+                    log.error(ReadinessEvent.MODEL_NOT_PRELOADED, extra={"model": m, "error": str(exc)})
 
     Console().print(
         f"[bold]chorus worker[/] {escape(name)}: models [bold]{escape(', '.join(models))}[/] on "
