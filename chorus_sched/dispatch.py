@@ -19,7 +19,7 @@ from typing import Any
 
 from celery import Celery
 
-from workers.orders import EvictOrder, WorkOrder
+from workers.orders import EvictOrder, WorkOrder, heartbeat_of
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,11 @@ class Dispatcher:
         if priority is not None:
             options["priority"] = priority
         send_generate(self.app, order, **options)
+
+    def task_state(self, task_id: str) -> tuple[str, float | None]:
+        """The order's Celery state (PENDING until a worker starts it) and its worker's last heartbeat."""
+        result = self.app.AsyncResult(task_id)
+        return str(result.state), heartbeat_of(result.info)
 
     def evict(self, order: EvictOrder) -> None:
         from workers.app import send_evict

@@ -378,7 +378,7 @@ class Intake:
                 except Exception as exc:  # the leader entry goes stale and is dropped by maintenance
                     log.warning("could not remove an undispatched leader", extra={"error": repr(exc)})
             raise
-        self._record_dispatch(request, decision)
+        self._record_dispatch(request, decision, order)
         self._count(decision)
         plan = decision.plan
         log.info(
@@ -398,7 +398,7 @@ class Intake:
             },
         )
 
-    def _record_dispatch(self, request: GenerationRequest, decision: Decision) -> None:
+    def _record_dispatch(self, request: GenerationRequest, decision: Decision, order: WorkOrder) -> None:
         rid = request.job_id
         donor = decision.donor
         record = RequestRecord(
@@ -414,6 +414,8 @@ class Intake:
             similarity=donor.similarity if donor else None,
             planned_steps_saved=decision.steps_saved_estimate,
             scheduler=self.instance,
+            order=order.model_dump_json(),
+            dispatched_at=self.clock(),
         )
         # The order is on the broker: from here on the message counts as handled (a retry would duplicate
         # the work), so the record is written with a few quick retries and a failure is only logged.

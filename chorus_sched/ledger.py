@@ -76,6 +76,11 @@ class RequestRecord(BaseModel):
     planned_steps_saved: float = 0.0
     scheduler: str = ""
     accepted_at: float = Field(default_factory=time.time)
+    # The WorkOrder as sent (JSON), when it was (last) sent, and how many times the watchdog sent it again: what
+    # ``chorus_sched.watchdog`` needs to re-send an order whose worker vanished.
+    order: str | None = None
+    dispatched_at: float | None = None
+    redispatches: int = Field(default=0, ge=0)
 
 
 class Ledger(ABC):
@@ -128,6 +133,10 @@ class Ledger(ABC):
 
     @abstractmethod
     def record(self, request_id: str) -> RequestRecord | None: ...
+
+    @abstractmethod
+    def dispatched_records(self, limit: int = 1000) -> list[RequestRecord]:
+        """Records of requests still ``dispatched`` (no result yet), at most ``limit``."""
 
     # --- once-only marks, counters -----------------------------------------------------------------------------
     @abstractmethod
@@ -310,6 +319,7 @@ class RedisLedger(Ledger):
 
     def release(self, request_id: str) -> None:
         self.client.delete(self._req(request_id))
+        self.client.srem(self._dispatched, request_id)
 
     def record_dispatch(self, record: RequestRecord) -> None:
         key = self._req(record.request_id)
@@ -317,7 +327,30 @@ class RedisLedger(Ledger):
             pipe.hset(key, mapping={"state": "dispatched", "record": record.model_dump_json()})
             pipe.hdel(key, "lease_until")
             pipe.expire(key, self.ttl_s)
+            pipe.sadd(self._dispatched, record.request_id)
             pipe.execute()
+
+    @property
+    def _dispatched(self) -> str:
+        return f"{self.prefix}dispatched"
+
+    def dispatched_records(self, limit: int = 1000) -> list[RequestRecord]:
+        ids = [str(i) for i in self.client.srandmember(self._dispatched, limit) or []]
+        if not ids:
+            return []
+        with self.client.pipeline() as pipe:
+            for rid in ids:
+                pipe.hmget(self._req(rid), "state", "record")
+            rows = pipe.execute()
+        out, gone = [], []
+        for rid, (state, raw) in zip(ids, rows, strict=True):
+            if state == "dispatched" and raw is not None:
+                out.append(RequestRecord.model_validate_json(str(raw)))
+            else:
+                gone.append(rid)  # answered, expired or retried since: no longer watched
+        if gone:
+            self.client.srem(self._dispatched, *gone)
+        return out
 
     def record(self, request_id: str) -> RequestRecord | None:
         raw = self.client.hget(self._req(request_id), "record")
@@ -500,6 +533,15 @@ class SqliteLedger(Ledger):
         if row is None or row[1] is None:
             return None
         return RequestRecord.model_validate_json(row[1])
+
+    def dispatched_records(self, limit: int = 1000) -> list[RequestRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT record FROM requests WHERE state = 'dispatched' AND record IS NOT NULL "
+                "AND expires_at >= ? AND substr(request_id, 1, ?) = ? LIMIT ?",
+                (time.time(), len(self.prefix), self.prefix, limit),
+            ).fetchall()
+        return [RequestRecord.model_validate_json(r[0]) for r in rows]
 
     def mark_once(self, key: str) -> bool:
         now = time.time()

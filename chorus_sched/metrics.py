@@ -117,6 +117,12 @@ class SchedulerMetrics:
             "Copies of a request that was already scheduled (skipped).",
             registry=registry,
         )
+        self.redispatched = Counter(
+            "chorus_orders_lost",
+            "Orders whose worker vanished, by what the watchdog did: sent again, or answered failed.",
+            ["outcome"],
+            registry=registry,
+        )
         self.index_unavailable = Counter(
             "chorus_index_unavailable",
             "Requests scheduled without reuse (full compute) because the donor index could not be used.",

@@ -37,6 +37,7 @@ from chorus_sched.loop import ConsumerLoop
 from chorus_sched.maintenance import CacheMaintenance
 from chorus_sched.planner import Planner
 from chorus_sched.settings import SchedulerSettings
+from chorus_sched.watchdog import OrderWatchdog
 from producer import bus
 from producer.contract import GenerationRequest
 
@@ -94,6 +95,9 @@ class Scheduler:
             stats=self.stats,
             clock=clock,
         )
+        self.watchdog = OrderWatchdog(
+            settings, ledger=ledger, dispatcher=dispatcher, publish=publish, clock=clock
+        )
         if planner.table.embedder != embedder.name:
             log.warning(
                 "the calibration table was made for another embedder: its similarity thresholds may not fit",
@@ -113,8 +117,14 @@ class Scheduler:
         return self.feedback.handle_results(messages)
 
     def maintain(self) -> list[str]:
-        """Apply the cache policy (``CacheMaintenance.maintain``); returns the request ids evicted now."""
-        return self.cache.maintain()
+        """Apply the cache policy (``CacheMaintenance.maintain``); returns the request ids evicted now. Then
+        send again the orders whose workers vanished (``OrderWatchdog.check``)."""
+        evicted = self.cache.maintain()
+        try:
+            self.watchdog.check()
+        except Exception as exc:  # the next maintenance checks again
+            log.warning("order watchdog failed; will retry", extra={"error": repr(exc)})
+        return evicted
 
 
 def build_scheduler(

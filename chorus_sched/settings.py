@@ -47,6 +47,13 @@ class SchedulerSettings(KafkaSettings):
     # Lease of the mutexes instances take around scheduling a group and evicting: renewed while held, so it
     # bounds only how long a killed holder blocks the others.
     group_lock_lease_s: float = Field(default=10.0, gt=0, le=600)
+    # The order watchdog (chorus_sched.watchdog): how long after sending an order it is first checked, how old a
+    # started order's heartbeat may be before its worker counts as gone, how long an order may stay unstarted
+    # before its message counts as lost, and how often a lost order is sent again before it is answered failed.
+    order_check_after_s: float = Field(default=30.0, gt=0)
+    worker_lost_after_s: float = Field(default=60.0, gt=0)
+    order_pending_lost_after_s: float = Field(default=1800.0, gt=0)
+    max_redispatches: int = Field(default=2, ge=0, le=20)
     # Qdrant server URL; empty means Qdrant local mode at qdrant_path (default: state_dir/qdrant).
     qdrant_url: str = ""
     qdrant_path: str = ""

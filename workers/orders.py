@@ -64,6 +64,20 @@ class WorkOrder(BaseModel):
     accepted_at: AwareDatetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
+# While a worker runs an order it beats into the task's state in the Celery result backend (state PROGRESS, meta
+# with this field, a unix time); the scheduler's order watchdog reads it to tell a lost order from a long one.
+HEARTBEAT_FIELD = "heartbeat_at"
+
+
+def heartbeat_of(meta: object) -> float | None:
+    """The last heartbeat a task's state meta carries, if it carries one."""
+    if isinstance(meta, dict):
+        value = meta.get(HEARTBEAT_FIELD)
+        if isinstance(value, int | float):
+            return float(value)
+    return None
+
+
 EVICT_TASK = "chorus.evict"
 # Workers of every model pool also consume this queue: deleting evicted donors' objects is a worker's job
 # because workers own the object store; the scheduler only decides what to evict.

@@ -52,6 +52,8 @@ class WorkerSettings(KafkaSettings):
     # Deliveries of one order (worker lost, broker redelivery) after which it is answered `failed` rather
     # than run again, so a request that kills its worker cannot loop forever.
     task_max_attempts: int = Field(default=3, ge=1, le=100)
+    # How often a running order writes its heartbeat into the task state (the scheduler's watchdog reads it).
+    worker_heartbeat_s: float = Field(default=5.0, gt=0, le=300)
     # Retries of a task whose result could not be published to Kafka (the whole order runs again).
     result_publish_retries: int = Field(default=2, ge=0, le=20)
 

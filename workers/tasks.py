@@ -12,13 +12,17 @@ Neither task lets an exception escape for bad input or a failed generation: the 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from celery import Celery, Task
 from pydantic import ValidationError
 
 from workers.metrics import busy, metrics
-from workers.orders import EVICT_TASK, GENERATE_TASK, EvictOrder
+from workers.orders import EVICT_TASK, GENERATE_TASK, HEARTBEAT_FIELD, EvictOrder
 from workers.results import ResultNotPublished
 from workers.store import StoreError, store_for
 
@@ -59,15 +63,23 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
 
     settings = settings_of(self.app)
     attempt = count_attempt(self)
+    state: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def beat(**fields: Any) -> None:
+        # The task's state in the result backend: progress, and a heartbeat that tells the scheduler this order
+        # is still alive (a worker killed as a whole leaves a heartbeat that stops). Best-effort.
+        with lock:
+            state.update(fields, **{HEARTBEAT_FIELD: time.time()})
+            try:
+                self.update_state(state="PROGRESS", meta=dict(state))
+            except Exception as exc:
+                log.debug("task state not recorded", extra={"error": repr(exc)})
 
     def progress(done: int, total: int) -> None:
-        # Visible to `AsyncResult(task_id).info` while the order runs; best-effort.
-        try:
-            self.update_state(state="PROGRESS", meta={"step": done, "of": total})
-        except Exception as exc:
-            log.debug("progress not recorded", extra={"error": repr(exc)})
+        beat(step=done, of=total)
 
-    with busy():
+    with busy(), _heartbeat(beat, settings.worker_heartbeat_s):
         result = runner_for(settings).handle(
             order_json, worker=self.request.hostname, attempt=attempt, progress=progress
         )
@@ -80,6 +92,25 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
         "error": result.error.code if result.error else None,
         "attempt": attempt,
     }
+
+
+@contextmanager
+def _heartbeat(beat: Any, interval_s: float) -> Iterator[None]:
+    """Call ``beat()`` now and every ``interval_s`` seconds until the block ends."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        beat()
+        while not stop.wait(interval_s):
+            beat()
+
+    thread = threading.Thread(target=loop, name="order-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def evict(self: Task, order_json: str) -> dict[str, Any]:

@@ -296,6 +296,34 @@ def test_with_the_index_held_by_another_client_requests_are_computed_in_full_not
     assert harness.scheduler.index.get("after-down") is not None
 
 
+def test_an_order_whose_worker_vanished_is_sent_again_by_maintenance(make_settings: Any) -> None:
+    settings = make_settings(order_check_after_s=0.1, worker_lost_after_s=1.0, max_redispatches=1)
+    app = celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix)
+    scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
+    try:
+        lost = request(request_id="lost-order")
+        topic = settings.kafka_requests_topic
+        scheduler.handle_requests([Record(topic, 0, 0, b"lost-order", lost.to_bytes())])
+        [first] = drain(app, queue_for("toy"))  # a worker took it...
+        # ...started it, beat once, and was killed: its state stays PROGRESS with a heartbeat that ages.
+        app.backend.store_result("lost-order", {"heartbeat_at": time.time(), "step": 1, "of": 4}, "PROGRESS")
+        time.sleep(0.3)
+        scheduler.maintain()
+        assert drain(app, queue_for("toy")) == []  # the heartbeat is fresh: alive
+        time.sleep(1.2)
+        scheduler.maintain()
+        [again] = drain(app, queue_for("toy"))
+        assert again.order == first.order
+        time.sleep(1.2)
+        scheduler.maintain()  # lost a second time: answered failed, not sent a third time
+        assert drain(app, queue_for("toy")) == []
+        [failed] = results_of(settings, 1)
+        assert failed.request_id == "lost-order" and failed.status is ResultStatus.FAILED
+        assert failed.error is not None and failed.error.code == "worker_lost"
+    finally:
+        close()
+
+
 def test_requests_become_one_task_each_bad_ones_are_dead_lettered_and_duplicates_skipped(
     harness: Harness,
 ) -> None:

@@ -203,6 +203,16 @@ def test_an_older_ledger_file_gains_the_origin_column(tmp_path: Path) -> None:
     store.close()
 
 
+def test_dispatched_records_are_those_still_waiting_for_a_result(ledger: Ledger) -> None:
+    for rid in ("w-1", "w-2", "w-3"):
+        ledger.begin(rid, owner="a", lease_s=60)
+        ledger.record_dispatch(record(rid).model_copy(update={"order": "{}", "dispatched_at": 5.0}))
+    ledger.set_state("w-2", "done")
+    ledger.release("w-3")
+    [waiting] = ledger.dispatched_records()
+    assert waiting.request_id == "w-1" and waiting.order == "{}" and waiting.dispatched_at == 5.0
+
+
 def test_a_live_holder_keeps_its_mutex_past_the_lease(ledger: Ledger) -> None:
     with ledger.mutex("held", ttl_s=0.3, owner="sched-a"):
         time.sleep(1.0)  # three leases: the renewer must have extended it

@@ -88,6 +88,9 @@ class FakeLedger:
     def record(self, request_id: str) -> RequestRecord | None:
         return self.records.get(request_id)
 
+    def dispatched_records(self, limit: int = 1000) -> list[RequestRecord]:
+        return [r for rid, r in self.records.items() if self.states.get(rid) == "dispatched"][:limit]
+
     def mark_once(self, key: str) -> bool:
         fresh = key not in self.marks
         self.marks.add(key)
@@ -334,12 +337,16 @@ def test_a_malformed_message_is_dead_lettered_and_the_batch_goes_on(ports: Ports
     bad = by_key[base64.b64encode(b"r-bad").decode()]
     assert bad.raw() == wrong_shape
     assert [(i.field, i.rule) for i in bad.issues] == [("height", "model_shape")]
-    # the producer waiting for r-bad learns why; the junk message names no request id to answer
+    # the producer waiting for r-bad learns why; so does whoever keyed the unreadable message "junk" (the key is
+    # a request's handle by contract)
     results = [
         GenerationResult.model_validate_json(v)
         for v in ports.on(ports.scheduler.settings.kafka_results_topic)
     ]
-    assert [(r.request_id, r.status) for r in results] == [("r-bad", ResultStatus.REJECTED)]
+    assert [(r.request_id, r.status) for r in results] == [
+        ("junk", ResultStatus.REJECTED),
+        ("r-bad", ResultStatus.REJECTED),
+    ]
     assert ports.scheduler.stats.dead_lettered == 2
 
     # a redelivered bad message is not dead-lettered twice

@@ -1,0 +1,111 @@
+"""The order watchdog: an order whose worker vanished is sent again, a bounded number of times.
+
+A Celery worker killed as a whole (its process group, its machine) takes its in-flight order with it: with
+kombu's filesystem transport the message was deleted when read, and nothing else ever reports. The scheduler
+keeps the order it sent in the ledger (``RequestRecord.order``) and, during maintenance, checks every request
+still ``dispatched`` for longer than ``order_check_after_s``:
+
+- started (STARTED/PROGRESS) and its heartbeat (``workers.orders.HEARTBEAT_FIELD``, written every
+  ``worker_heartbeat_s`` by the running task) older than ``worker_lost_after_s``: the worker is gone;
+- never started (PENDING) for longer than ``order_pending_lost_after_s``: the message was lost (a live queue
+  that is merely long keeps the order PENDING too, so this bound is generous);
+- finished in Celery (SUCCESS/FAILURE) yet no result reached us for as long: left alone (the worker published
+  or will retry publishing; re-running would duplicate).
+
+A lost order is sent again with the same task id, up to ``max_redispatches`` times; after that the request is
+answered ``failed`` (``worker_lost``) so its sender is never left waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from chorus_sched.batch import Publisher
+from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.metrics import METRICS
+from chorus_sched.settings import SchedulerSettings
+from producer.contract import ErrorInfo, GenerationResult, ResultStatus
+from workers.orders import WorkOrder
+
+log = logging.getLogger(__name__)
+
+STARTED_STATES = ("STARTED", "PROGRESS")
+
+
+class OrderPort(Protocol):
+    def generate(self, order: WorkOrder) -> None: ...
+
+    def task_state(self, task_id: str) -> tuple[str, float | None]: ...
+
+
+class OrderWatchdog:
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        *,
+        ledger: Ledger,
+        dispatcher: OrderPort,
+        publish: Publisher,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.dispatcher = dispatcher
+        self.publish = publish
+        self.clock = clock
+
+    def check(self) -> list[str]:
+        """Send again (or fail) every lost order; returns the job ids acted on."""
+        now = self.clock()
+        acted = []
+        for record in self.ledger.dispatched_records():
+            sent_at = record.dispatched_at or record.accepted_at
+            if record.order is None or now - sent_at < self.settings.order_check_after_s:
+                continue
+            why = self._lost(record.request_id, sent_at, now)
+            if why is None:
+                continue
+            acted.append(record.request_id)
+            if record.redispatches >= self.settings.max_redispatches:
+                self._give_up(record, why)
+            else:
+                self._redispatch(record, why, now)
+        return acted
+
+    def _lost(self, job: str, sent_at: float, now: float) -> str | None:
+        state, heartbeat = self.dispatcher.task_state(job)
+        if state in STARTED_STATES:
+            last = heartbeat if heartbeat is not None else sent_at
+            if now - last > self.settings.worker_lost_after_s:
+                return f"its worker stopped beating {now - last:.0f} s ago"
+        elif state == "PENDING" and now - sent_at > self.settings.order_pending_lost_after_s:
+            return f"not started {now - sent_at:.0f} s after it was sent"
+        return None
+
+    def _redispatch(self, record: RequestRecord, why: str, now: float) -> None:
+        assert record.order is not None
+        self.dispatcher.generate(WorkOrder.model_validate_json(record.order))
+        again = record.model_copy(update={"dispatched_at": now, "redispatches": record.redispatches + 1})
+        self.ledger.record_dispatch(again)
+        METRICS.redispatched.labels(outcome="sent_again").inc()
+        log.warning(
+            "order lost; sent again",
+            extra={"job": record.request_id, "why": why, "redispatches": again.redispatches},
+        )
+
+    def _give_up(self, record: RequestRecord, why: str) -> None:
+        order = WorkOrder.model_validate_json(record.order or "")
+        message = f"order lost {record.redispatches + 1} times ({why}); not sent again"
+        failed = GenerationResult(
+            request_id=order.request.request_id,
+            tenant=order.request.tenant,
+            status=ResultStatus.FAILED,
+            error=ErrorInfo(code="worker_lost", message=message),
+            steps_requested=order.request.num_steps,
+        )
+        self.publish(self.settings.kafka_results_topic, order.request.request_id, failed.to_bytes())
+        self.ledger.set_state(record.request_id, "failed")
+        METRICS.redispatched.labels(outcome="failed").inc()
+        log.error("order lost; answered failed", extra={"job": record.request_id, "why": why})

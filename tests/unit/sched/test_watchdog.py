@@ -1,0 +1,134 @@
+"""The order watchdog: a lost order is sent again, a bounded number of times, then answered failed.
+
+The ledger is the real embedded one (SQLite); the Celery side is a fake that reports each task's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chorus_sched.ledger import RequestRecord, SqliteLedger
+from chorus_sched.settings import SchedulerSettings
+from chorus_sched.watchdog import OrderWatchdog
+from producer.contract import GenerationResult, ResultStatus, ReusePlan, build_request
+from workers.orders import WorkOrder
+
+
+class FakeCelery:
+    def __init__(self) -> None:
+        self.states: dict[str, tuple[str, float | None]] = {}
+        self.sent: list[WorkOrder] = []
+
+    def generate(self, order: WorkOrder) -> None:
+        self.sent.append(order)
+
+    def task_state(self, task_id: str) -> tuple[str, float | None]:
+        return self.states.get(task_id, ("PENDING", None))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[SqliteLedger]:
+    store = SqliteLedger(tmp_path / "ledger.sqlite3")
+    yield store
+    store.close()
+
+
+def setup(ledger: SqliteLedger, tmp_path: Path) -> tuple[OrderWatchdog, FakeCelery, Clock, list[bytes]]:
+    settings = SchedulerSettings(
+        state_dir=tmp_path,
+        order_check_after_s=30,
+        worker_lost_after_s=60,
+        order_pending_lost_after_s=600,
+        max_redispatches=2,
+    )
+    celery, clock, published = FakeCelery(), Clock(), []
+    watchdog = OrderWatchdog(
+        settings, ledger=ledger, dispatcher=celery, publish=lambda t, k, v: published.append(v), clock=clock
+    )
+    return watchdog, celery, clock, published
+
+
+def dispatch(ledger: SqliteLedger, at: float, tenant: str = "default") -> WorkOrder:
+    request = build_request(prompt="a red circle", request_id="r-1", tenant=tenant)
+    order = WorkOrder(request=request, plan=ReusePlan.full(4))
+    ledger.record_dispatch(
+        RequestRecord(
+            request_id=request.job_id,
+            tenant=tenant,
+            prompt=request.prompt,
+            model="toy",
+            compat_key="k",
+            num_steps=4,
+            reuse="auto",
+            role="solo",
+            order=order.model_dump_json(),
+            dispatched_at=at,
+        )
+    )
+    return order
+
+
+def test_an_order_whose_worker_stopped_beating_is_sent_again_then_answered_failed(
+    ledger: SqliteLedger, tmp_path: Path
+) -> None:
+    watchdog, celery, clock, published = setup(ledger, tmp_path)
+    order = dispatch(ledger, clock.now, tenant="acme")
+    job = order.request.job_id
+    celery.states[job] = ("PROGRESS", clock.now + 5)  # started, beating
+    clock.now += 50
+    assert watchdog.check() == [] and celery.sent == []  # beat 45 s ago: alive
+    clock.now += 30
+    assert watchdog.check() == [job] and celery.sent == [order]  # 75 s without a beat: lost
+    record = ledger.record(job)
+    assert record is not None and record.redispatches == 1 and record.dispatched_at == clock.now
+    assert watchdog.check() == []  # just sent again: not checked before order_check_after_s
+    for _ in range(2):  # the second and third time it is lost
+        clock.now += 100
+        watchdog.check()
+    assert len(celery.sent) == 2
+    [raw] = published
+    failed = GenerationResult.model_validate_json(raw)
+    assert (failed.request_id, failed.tenant, failed.status) == ("r-1", "acme", ResultStatus.FAILED)
+    assert failed.error is not None and failed.error.code == "worker_lost"
+    assert ledger.state(job) == "failed" and ledger.dispatched_records() == []
+
+
+def test_an_order_still_queued_is_left_alone_until_the_pending_bound(
+    ledger: SqliteLedger, tmp_path: Path
+) -> None:
+    watchdog, celery, clock, _ = setup(ledger, tmp_path)
+    order = dispatch(ledger, clock.now)
+    clock.now += 500
+    assert watchdog.check() == []
+    clock.now += 200
+    assert watchdog.check() == [order.request.job_id] and celery.sent == [order]
+
+
+@pytest.mark.parametrize("state", ["SUCCESS", "FAILURE"])
+def test_an_order_celery_finished_is_never_sent_again(
+    state: str, ledger: SqliteLedger, tmp_path: Path
+) -> None:
+    watchdog, celery, clock, published = setup(ledger, tmp_path)
+    order = dispatch(ledger, clock.now)
+    celery.states[order.request.job_id] = (state, None)
+    clock.now += 10_000
+    assert watchdog.check() == [] and celery.sent == [] and published == []
+
+
+def test_an_answered_request_is_no_longer_watched(ledger: SqliteLedger, tmp_path: Path) -> None:
+    watchdog, celery, clock, _ = setup(ledger, tmp_path)
+    order = dispatch(ledger, clock.now)
+    ledger.set_state(order.request.job_id, "done")
+    clock.now += 10_000
+    assert ledger.dispatched_records() == [] and watchdog.check() == [] and celery.sent == []
