@@ -49,6 +49,7 @@ DEAD_LETTER_RAW_BYTES = 16 * 1024
 
 
 DEFAULT_TENANT = "default"
+JOB_SEPARATOR = "~"
 
 
 def job_id(tenant: str, request_id: str) -> str:
@@ -56,9 +57,10 @@ def job_id(tenant: str, request_id: str) -> str:
 
     Request ids are chosen by tenants, so two tenants may use the same one. The default tenant's job id is its
     request id (so single-tenant deployments see their own ids everywhere); any other tenant's is
-    ``tenant/request_id``. '/' is outside the Identifier alphabet, so no two (tenant, id) pairs share a job id.
+    ``tenant~request_id``. '~' is outside the Identifier alphabet, so no two (tenant, id) pairs share a job id;
+    and unlike '/', it is safe in every place a job id goes (a file name in Celery's filesystem result backend).
     """
-    return request_id if tenant == DEFAULT_TENANT else f"{tenant}/{request_id}"
+    return request_id if tenant == DEFAULT_TENANT else f"{tenant}{JOB_SEPARATOR}{request_id}"
 
 
 def _new_request_id() -> str:

@@ -439,9 +439,9 @@ def test_cross_tenant_reuse_when_allowed(make_settings: Any) -> None:
         h.publish(request(request_id="mine", tenant="acme"))
         h.wait_handled()
         order = h.generate_tasks()["mine"].order
-        # another tenant's donor is named by its job id (tenant/request id)
+        # another tenant's donor is named by its job id (tenant~request id)
         assert (
-            order.donor is not None and order.donor.request_id == "globex/theirs" and order.role is Role.SOLO
+            order.donor is not None and order.donor.request_id == "globex~theirs" and order.role is Role.SOLO
         )
         assert h.scheduler.stats.cross_tenant_blocked == 0
     finally:

@@ -150,7 +150,7 @@ def _check_two_instances(stack: EmbeddedStack) -> None:
         members = [o for o in orders if o.request.request_id.startswith(f"f{f}-")]
         leaders = [o for o in members if o.role is Role.LEADER]
         assert len(leaders) == 1, [(o.request.request_id, o.role) for o in members]
-        leader_id = leaders[0].request.job_id  # donors are named by job id (tenant/request id)
+        leader_id = leaders[0].request.job_id  # donors are named by job id (tenant~request id)
         for o in members:
             if o is not leaders[0]:
                 assert o.role is Role.FOLLOWER and o.donor is not None and o.donor.request_id == leader_id

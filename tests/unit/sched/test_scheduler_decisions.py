@@ -449,13 +449,13 @@ def test_two_tenants_may_use_one_request_id_and_each_is_served_and_indexed_as_it
         ("tenant-b", "same"),
     ]
     assert ports.scheduler.stats.duplicates == 0
-    assert ports.ledger.state("tenant-a/same") == ports.ledger.state("tenant-b/same") == "dispatched"
+    assert ports.ledger.state("tenant-a~same") == ports.ledger.state("tenant-b~same") == "dispatched"
 
     ports.scheduler.handle_results([Msg(done("same", tenant="tenant-b").to_bytes(), 0, topic="results")])
     assert (
-        ports.ledger.state("tenant-b/same") == "done" and ports.ledger.state("tenant-a/same") == "dispatched"
+        ports.ledger.state("tenant-b~same") == "done" and ports.ledger.state("tenant-a~same") == "dispatched"
     )
-    entry_b = ports.index.get("tenant-b/same")
+    entry_b = ports.index.get("tenant-b~same")
     assert entry_b is not None and entry_b.tenant == "tenant-b" and entry_b.prompt == b.prompt
 
 
