@@ -53,6 +53,7 @@ class SchedulerStats:
     full: int = 0
     cross_tenant_blocked: int = 0
     index_unavailable: int = 0
+    exact_hits: int = 0
     retries: int = 0
     results: int = 0
     donors_indexed: int = 0

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from chorus_sched.batch import BatchOutcome, Message, Progress, SchedulerStats, finish, transient
 from chorus_sched.embedding import Embedder
+from chorus_sched.exact import ExactHits
 from chorus_sched.index import DonorEntry, DonorIndex
 from chorus_sched.ledger import Ledger, RequestRecord
 from chorus_sched.metrics import METRICS
@@ -36,6 +37,7 @@ class Feedback:
         index: DonorIndex,
         ledger: Ledger,
         evict: Callable[[dict[str, str]], None],
+        exact: ExactHits,
         stats: SchedulerStats,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -43,6 +45,7 @@ class Feedback:
         self.index = index
         self.ledger = ledger
         self.evict = evict
+        self.exact = exact
         self.stats = stats
         self.clock = clock
 
@@ -90,6 +93,7 @@ class Feedback:
         METRICS.results.labels(status=str(result.status)).inc()
         state = self.ledger.state(rid)
         leader = record.role == str(Role.LEADER)
+        self.exact.on_result(record, result)
         if result.status is ResultStatus.DONE:
             if state != "evicted":
                 self.ledger.set_state(rid, "done")

@@ -30,6 +30,7 @@ from chorus_sched.batch import BatchOutcome, Message, Progress, SchedulerStats, 
 from chorus_sched.dead_letters import DeadLetters
 from chorus_sched.dispatch import Dispatcher
 from chorus_sched.embedding import Embedder
+from chorus_sched.exact import ExactHits, ExactOutcome
 from chorus_sched.grouping import Candidate, Decision, blocked_gain, decide
 from chorus_sched.index import DonorEntry, DonorIndex
 from chorus_sched.ledger import Ledger, RequestRecord
@@ -59,6 +60,7 @@ class Intake:
         dispatcher: Dispatcher,
         planner: Planner,
         dead_letters: DeadLetters,
+        exact: ExactHits,
         stats: SchedulerStats,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -69,6 +71,7 @@ class Intake:
         self.dispatcher = dispatcher
         self.planner = planner
         self.dead_letters = dead_letters
+        self.exact = exact
         self.stats = stats
         self.clock = clock
         self.instance = settings.resolved_instance_id
@@ -149,9 +152,23 @@ class Intake:
                             "was": claim.state,
                         },
                     )
-                accepted.append((m, request))
                 in_batch.add(request.job_id)
+                if self._answered_exactly(m, request, progress):
+                    continue
+                accepted.append((m, request))
         return accepted
+
+    def _answered_exactly(self, m: Message, request: GenerationRequest, progress: Progress) -> bool:
+        """True if an identical request's result answers this one (now, or when that one finishes)."""
+        try:
+            outcome = self.exact.admit(request)
+        except Exception as exc:
+            self._failed(m, progress, exc, request)
+            return True
+        if outcome is ExactOutcome.RUN:
+            return False
+        self.stats.exact_hits += 1
+        return True
 
     def _parse(self, m: Message, progress: Progress) -> GenerationRequest | None:
         """The message's request, or None after dead-lettering it (or leaving it for a retry if that failed)."""
@@ -379,6 +396,10 @@ class Intake:
                     log.warning("could not remove an undispatched leader", extra={"error": repr(exc)})
             raise
         self._record_dispatch(request, decision, order)
+        try:
+            self.exact.running(request)
+        except Exception as exc:  # identical requests then run too; nothing is lost
+            log.warning("could not record the running request for exact hits", extra={"error": repr(exc)})
         self._count(decision)
         plan = decision.plan
         log.info(

@@ -117,6 +117,13 @@ class SchedulerMetrics:
             "Copies of a request that was already scheduled (skipped).",
             registry=registry,
         )
+        self.exact_hits = Counter(
+            "chorus_exact_hits",
+            "Requests answered from an identical request's result with no worker compute, by kind: stored "
+            "(answered at once) or coalesced (waited for an identical request in flight).",
+            ["kind"],
+            registry=registry,
+        )
         self.redispatched = Counter(
             "chorus_orders_lost",
             "Orders whose worker vanished, by what the watchdog did: sent again, or answered failed.",

@@ -28,6 +28,7 @@ from chorus_sched.batch import BatchOutcome, Message, Publisher, SchedulerStats
 from chorus_sched.dead_letters import DeadLetters
 from chorus_sched.dispatch import Dispatcher
 from chorus_sched.embedding import Embedder
+from chorus_sched.exact import ExactHits
 from chorus_sched.feedback import Feedback
 from chorus_sched.grouping import Decision
 from chorus_sched.index import DonorIndex
@@ -76,6 +77,9 @@ class Scheduler:
         self.cache = CacheMaintenance(
             settings, index=index, ledger=ledger, dispatcher=dispatcher, stats=self.stats, clock=clock
         )
+        self.exact = ExactHits(
+            settings, ledger=ledger, publish=publish, send_order=dispatcher.generate, clock=clock
+        )
         self.intake = Intake(
             settings,
             embedder=embedder,
@@ -84,6 +88,7 @@ class Scheduler:
             dispatcher=dispatcher,
             planner=planner,
             dead_letters=DeadLetters(settings, ledger=ledger, publish=publish, stats=self.stats),
+            exact=self.exact,
             stats=self.stats,
             clock=clock,
         )
@@ -92,6 +97,7 @@ class Scheduler:
             index=index,
             ledger=ledger,
             evict=self.cache.evict,
+            exact=self.exact,
             stats=self.stats,
             clock=clock,
         )
@@ -136,7 +142,7 @@ def build_scheduler(
 ) -> tuple[Scheduler, Callable[[], None]]:
     """A scheduler wired to the services ``settings`` names, and a function that closes them."""
     from chorus_sched.embedding import make_embedder
-    from chorus_sched.ledger import open_ledger
+    from chorus_sched.ledger_stores import open_ledger
     from chorus_sched.planner import load_calibration
 
     planner = Planner(load_calibration(settings.calibration_path))

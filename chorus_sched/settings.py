@@ -47,6 +47,8 @@ class SchedulerSettings(KafkaSettings):
     # Lease of the mutexes instances take around scheduling a group and evicting: renewed while held, so it
     # bounds only how long a killed holder blocks the others.
     group_lock_lease_s: float = Field(default=10.0, gt=0, le=600)
+    # Answer a request identical to one served (or running) from that one's result, with no worker compute.
+    exact_hits: bool = True
     # The order watchdog (chorus_sched.watchdog): how long after sending an order it is first checked, how old a
     # started order's heartbeat may be before its worker counts as gone, how long an order may stay unstarted
     # before its message counts as lost, and how often a lost order is sent again before it is answered failed.

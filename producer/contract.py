@@ -172,8 +172,39 @@ class GenerationRequest(_Wire):
     def job_id(self) -> str:
         return job_id(self.tenant, self.request_id)
 
+    @property
+    def fingerprint(self) -> str:
+        """Equal for two requests that must produce the same video: model, shape, steps and scheduler (the
+        compatibility key), prompt, negative prompt, seed and guidance. Not the tenant, id, priority or reuse."""
+        canonical = json.dumps(
+            [
+                FINGERPRINT_VERSION,
+                self.compatibility_key,
+                self.prompt,
+                self.negative_prompt,
+                self.seed,
+                repr(float(self.guidance_scale)),
+            ]
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
+
+
+# Bumped whenever what makes two requests' videos identical changes (e.g. new weights under a model's name), so
+# stored exact hits of the old meaning are never served.
+FINGERPRINT_VERSION = 1
+
+
+class ReuseKind(StrEnum):
+    """What a result's video is: served whole from an identical earlier request (``exact``), started from a
+    donor's latent (``stage1``), recomputed only where the prompt differs (``stage2``), or computed in full."""
+
+    EXACT = "exact"
+    STAGE1 = "stage1"
+    STAGE2 = "stage2"
+    NONE = "none"
 
 
 class ReusePlan(_Wire):
@@ -273,6 +304,19 @@ class GenerationResult(_Wire):
     timings: PhaseTimings = Field(default_factory=PhaseTimings)
     worker: str | None = None
     completed_at: AwareDatetime = Field(default_factory=_utcnow)
+    reuse: ReuseKind = Field(default=ReuseKind.NONE, description="what the video is (see ReuseKind)")
+    served_from: str | None = Field(
+        default=None, description="for an exact hit: the job id of the request whose video this is"
+    )
+
+    @property
+    def saved_compute(self) -> bool:
+        """The one definition of a *hit*: a finished request that computed fewer token-steps than in full."""
+        return (
+            self.status is ResultStatus.DONE
+            and self.steps_requested > 0
+            and self.tokens_computed_fraction < 1.0 - 1e-6
+        )
 
     @property
     def job_id(self) -> str:

@@ -23,6 +23,7 @@ from producer.contract import (
     GenerationResult,
     PhaseTimings,
     ResultStatus,
+    ReuseKind,
     salvage_identity,
     salvage_json,
 )
@@ -125,6 +126,7 @@ def done_result(
         donor_gone=donor_gone,
         timings=timings,
         worker=worker,
+        reuse=_reuse_kind(order, steps_computed, tokens_computed_fraction),
     )
 
 
@@ -150,6 +152,13 @@ def failed_result(
         timings=timings or PhaseTimings(),
         worker=worker,
     )
+
+
+def _reuse_kind(order: WorkOrder, steps_computed: int, tokens_computed_fraction: float) -> ReuseKind:
+    """Stage 1 if steps were skipped outright, Stage 2 if only tokens were; none if everything was computed."""
+    if order.donor is None or tokens_computed_fraction >= 1.0 - 1e-6:
+        return ReuseKind.NONE
+    return ReuseKind.STAGE1 if steps_computed < order.request.num_steps else ReuseKind.STAGE2
 
 
 def _donor_info(order: WorkOrder) -> DonorInfo | None:

@@ -19,7 +19,7 @@ import pytest
 from kombu import Queue
 
 from chorus_sched.index import DonorIndex
-from chorus_sched.ledger import SqliteLedger
+from chorus_sched.ledger_sqlite import SqliteLedger
 from producer import bus
 from producer.contract import DeadLetter, GenerationRequest, build_request
 from producer.local.config import StackOptions

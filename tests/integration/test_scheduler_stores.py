@@ -12,7 +12,10 @@ import pytest
 import redis
 
 from chorus_sched.index import DonorEntry, DonorIndex
-from chorus_sched.ledger import Ledger, RedisLedger, RequestRecord, SqliteLedger, open_ledger
+from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.ledger_redis import RedisLedger
+from chorus_sched.ledger_sqlite import SqliteLedger
+from chorus_sched.ledger_stores import ledger_from_url, open_ledger
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +44,7 @@ def prefix(ledger_url: str) -> Iterator[str]:
 
 @pytest.fixture
 def ledger(ledger_url: str, prefix: str) -> Iterator[Ledger]:
-    store = Ledger.from_url(ledger_url, prefix=prefix, ttl_s=600)
+    store = ledger_from_url(ledger_url, prefix=prefix, ttl_s=600)
     yield store
     store.close()
 
@@ -107,7 +110,7 @@ def test_marks_counters_and_pending_evictions(ledger: Ledger) -> None:
 
 
 def _claim_all(url: str, prefix: str, owner: str, ids: list[str], out: multiprocessing.Queue) -> None:
-    store = Ledger.from_url(url, prefix=prefix, ttl_s=600)
+    store = ledger_from_url(url, prefix=prefix, ttl_s=600)
     won = [rid for rid in ids if store.begin(rid, owner=owner, lease_s=60).outcome == "new"]
     for _ in range(25):
         store.add_hit("shared", 1.0)
@@ -127,13 +130,13 @@ def test_processes_claim_each_id_exactly_once_and_count_every_hit(ledger_url: st
         assert p.exitcode == 0
     won = [rid for _, claimed in results for rid in claimed]
     assert sorted(won) == sorted(ids)  # every id claimed, none twice
-    store = Ledger.from_url(ledger_url, prefix=prefix, ttl_s=600)
+    store = ledger_from_url(ledger_url, prefix=prefix, ttl_s=600)
     assert store.add_hit("shared", 0.0) == (76, 75.0)
     store.close()
 
 
 def _locked_increments(url: str, prefix: str, counter: str, n: int) -> None:
-    store = Ledger.from_url(url, prefix=prefix, ttl_s=600)
+    store = ledger_from_url(url, prefix=prefix, ttl_s=600)
     path = Path(counter)
     for _ in range(n):
         with store.mutex("counter"):
@@ -213,6 +216,20 @@ def test_dispatched_records_are_those_still_waiting_for_a_result(ledger: Ledger)
     assert waiting.request_id == "w-1" and waiting.order == "{}" and waiting.dispatched_at == 5.0
 
 
+def test_values_expire_and_waiting_lists_are_taken_once(ledger: Ledger) -> None:
+    ledger.put_value("exact:t:fp:done", "result", ttl_s=0.2)
+    assert ledger.get_value("exact:t:fp:done") == "result"
+    time.sleep(0.3)
+    assert ledger.get_value("exact:t:fp:done") is None
+    ledger.put_value("k", "v")
+    ledger.delete_value("k")
+    assert ledger.get_value("k") is None
+    for value in ("a", "b", "c"):
+        ledger.add_waiter("exact:t:fp", value)
+    assert ledger.take_waiters("exact:t:fp") == ["a", "b", "c"]
+    assert ledger.take_waiters("exact:t:fp") == []
+
+
 def test_a_live_holder_keeps_its_mutex_past_the_lease(ledger: Ledger) -> None:
     with ledger.mutex("held", ttl_s=0.3, owner="sched-a"):
         time.sleep(1.0)  # three leases: the renewer must have extended it
@@ -223,7 +240,7 @@ def test_a_live_holder_keeps_its_mutex_past_the_lease(ledger: Ledger) -> None:
 
 
 def _hold_forever(url: str, prefix: str, ready: str) -> None:
-    store = Ledger.from_url(url, prefix=prefix, ttl_s=600)
+    store = ledger_from_url(url, prefix=prefix, ttl_s=600)
     with store.mutex("group:k", ttl_s=1.0, owner="killed-scheduler"):
         Path(ready).write_text("held")
         time.sleep(600)
@@ -257,7 +274,7 @@ def test_open_ledger_picks_sqlite_without_redis_and_redis_with_it(tmp_path: Path
     assert isinstance(remote, RedisLedger)
     remote.close()
     with pytest.raises(ValueError, match="unsupported ledger URL"):
-        Ledger.from_url("memcached://x")
+        ledger_from_url("memcached://x")
 
 
 def test_sqlite_ledger_forgets_after_its_ttl(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from chorus_sched.index import DonorEntry, DonorIndex
-from chorus_sched.ledger import Ledger
+from chorus_sched.ledger_stores import ledger_from_url
 from producer import bus
 from producer.contract import build_request, parse_request
 from producer.local.standins import EmbeddedService
@@ -56,7 +56,7 @@ def test_s3_round_trips_objects_through_the_minio_client(s3_server: EmbeddedServ
 
 
 def test_redis_ledger_claims_each_request_once(redis_url: str) -> None:
-    ledger = Ledger.from_url(redis_url, prefix=f"smoke:{uuid.uuid4().hex}:", ttl_s=60)
+    ledger = ledger_from_url(redis_url, prefix=f"smoke:{uuid.uuid4().hex}:", ttl_s=60)
     assert ledger.claim("r1") is True
     assert ledger.claim("r1") is False
     ledger.set_state("r1", "dispatched")

@@ -30,6 +30,7 @@ from producer.contract import (
     GenerationRequest,
     GenerationResult,
     ResultStatus,
+    ReuseKind,
     ReusePlan,
     build_request,
 )
@@ -54,6 +55,23 @@ class FakeLedger:
         self.marks: set[str] = set()
         self.hits: dict[str, tuple[int, float]] = {}
         self.pending: dict[str, str] = {}
+        self.values: dict[str, str] = {}
+        self.waiters: dict[str, list[str]] = {}
+
+    def put_value(self, key: str, value: str, *, ttl_s: float | None = None) -> None:
+        self.values[key] = value
+
+    def get_value(self, key: str) -> str | None:
+        return self.values.get(key)
+
+    def delete_value(self, key: str) -> None:
+        self.values.pop(key, None)
+
+    def add_waiter(self, key: str, value: str) -> None:
+        self.waiters.setdefault(key, []).append(value)
+
+    def take_waiters(self, key: str) -> list[str]:
+        return self.waiters.pop(key, [])
 
     def begin(
         self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted", origin: str = ""
@@ -469,3 +487,74 @@ def test_a_request_sent_again_after_it_failed_is_scheduled_anew(ports: Ports) ->
     assert len(ports.dispatcher.orders) == 1
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 9, b"again")])
     assert len(ports.dispatcher.orders) == 2 and ports.ledger.state("again") == "dispatched"
+
+
+# --- exact hits ------------------------------------------------------------------------------------------------
+
+
+def results_on(ports: Ports) -> list[GenerationResult]:
+    return [
+        GenerationResult.model_validate_json(v)
+        for v in ports.on(ports.scheduler.settings.kafka_results_topic)
+    ]
+
+
+def test_an_identical_request_is_answered_from_the_stored_result_with_no_worker(ports: Ports) -> None:
+    first = request(request_id="orig", seed=7)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    ports.scheduler.handle_results([Msg(done("orig").to_bytes(), 0, topic="results")])
+    again = request(request_id="again", seed=7)  # same fingerprint, another id
+    ports.scheduler.handle_requests([Msg(again.to_bytes(), 1)])
+
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["orig"]  # no second order
+    [answer] = results_on(ports)
+    assert answer.request_id == "again" and answer.status is ResultStatus.DONE
+    assert answer.reuse is ReuseKind.EXACT and answer.served_from == "orig"
+    assert (answer.steps_computed, answer.tokens_computed_fraction) == (0, 0.0) and answer.saved_compute
+    assert answer.video_uri == "s3://chorus/videos/orig.mp4"
+    assert ports.scheduler.stats.exact_hits == 1 and ports.ledger.state("again") == "done"
+    # its redelivery is a duplicate, not a second answer
+    ports.scheduler.handle_requests([Msg(again.to_bytes(), 1)])
+    assert len(results_on(ports)) == 1
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"seed": 8},
+        {"tenant": "someone-else"},
+        {"reuse": "off"},
+        {"prompt": "a red circle moving left on a black background"},
+    ],
+)
+def test_a_request_that_differs_in_what_shapes_the_video_or_in_tenant_is_not_an_exact_hit(
+    ports: Ports, other: dict[str, Any]
+) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="orig", seed=7).to_bytes(), 0)])
+    ports.scheduler.handle_results([Msg(done("orig").to_bytes(), 0, topic="results")])
+    fields = {"request_id": "other", "seed": 7, **other}
+    ports.scheduler.handle_requests([Msg(request(fields.pop("prompt", PROMPT), **fields).to_bytes(), 1)])
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["orig", "other"]
+    assert ports.scheduler.stats.exact_hits == 0 and results_on(ports) == []
+
+
+def test_identical_requests_in_flight_are_coalesced_onto_the_one_running(ports: Ports) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="runner", seed=3).to_bytes(), 0)])
+    twins = [request(request_id=f"twin-{i}", seed=3) for i in range(2)]
+    ports.scheduler.handle_requests([Msg(t.to_bytes(), 1 + i) for i, t in enumerate(twins)])
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["runner"]  # run once
+    assert results_on(ports) == []
+    ports.scheduler.handle_results([Msg(done("runner").to_bytes(), 0, topic="results")])
+    answers = results_on(ports)
+    assert sorted(a.request_id for a in answers) == ["twin-0", "twin-1"]
+    assert all(a.reuse is ReuseKind.EXACT and a.served_from == "runner" for a in answers)
+
+
+def test_requests_waiting_for_a_run_that_failed_are_run_in_full(ports: Ports) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="runner", seed=3).to_bytes(), 0)])
+    ports.scheduler.handle_requests([Msg(request(request_id="twin", seed=3).to_bytes(), 1)])
+    failed = GenerationResult(request_id="runner", tenant="default", status=ResultStatus.FAILED)
+    ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["runner", "twin"]
+    assert ports.dispatcher.orders[-1].plan == ReusePlan.full(4) and results_on(ports) == []
+    assert ports.ledger.state("twin") == "dispatched"

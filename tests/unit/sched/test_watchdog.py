@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from chorus_sched.ledger import RequestRecord, SqliteLedger
+from chorus_sched.ledger import RequestRecord
+from chorus_sched.ledger_sqlite import SqliteLedger
 from chorus_sched.settings import SchedulerSettings
 from chorus_sched.watchdog import OrderWatchdog
 from producer.contract import GenerationResult, ResultStatus, ReusePlan, build_request

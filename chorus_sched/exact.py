@@ -1,0 +1,167 @@
+"""Exact hits: a request identical to one already served is answered from its stored result, with no worker.
+
+Identical means the same ``GenerationRequest.fingerprint`` (model, shape, steps, scheduler, prompt, negative
+prompt, seed, guidance) in the same scope (the tenant; every tenant when cross-tenant reuse is on). Three cases,
+decided at intake before any embedding or search:
+
+- a finished request with that fingerprint: answered at once, ``reuse: exact``, the same video, 0 steps computed;
+- one still running: the new request waits for it (*coalesced*) and is answered when its result arrives; if that
+  run fails, each waiting request is sent to the workers as a full order of its own;
+- neither: the request runs, and is recorded as the one running for its fingerprint.
+
+Everything lives in the ledger (values and waiting lists under the fingerprint), so any scheduler instance can
+answer what another started. Entries expire with the donor TTL; a video is never deleted by cache eviction.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from enum import StrEnum
+
+from chorus_sched.batch import Publisher
+from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.metrics import METRICS
+from chorus_sched.settings import SchedulerSettings
+from producer.contract import (
+    DonorInfo,
+    GenerationRequest,
+    GenerationResult,
+    ResultStatus,
+    ReuseKind,
+    ReusePlan,
+    ReusePolicy,
+)
+from workers.orders import Role, WorkOrder
+
+log = logging.getLogger(__name__)
+
+
+class ExactOutcome(StrEnum):
+    SERVED = "served"  # answered from a stored result
+    COALESCED = "coalesced"  # waits for an identical request still running
+    RUN = "run"  # nothing identical: schedule it
+
+
+class ExactHits:
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        *,
+        ledger: Ledger,
+        publish: Publisher,
+        send_order: Callable[[WorkOrder], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.publish = publish
+        self.send_order = send_order
+        self.clock = clock
+
+    def _scope(self, request: GenerationRequest) -> str:
+        scope = "*" if self.settings.cross_tenant_reuse else request.tenant
+        return f"exact:{scope}:{request.fingerprint}"
+
+    # --- intake ----------------------------------------------------------------------------------------------
+    def admit(self, request: GenerationRequest) -> ExactOutcome:
+        """Serve, coalesce or let run one claimed request (``reuse: off`` always runs)."""
+        if request.reuse is ReusePolicy.OFF or not self.settings.exact_hits:
+            return ExactOutcome.RUN
+        key = self._scope(request)
+        stored = self.ledger.get_value(f"{key}:done")
+        if stored is not None:
+            self._serve(request, GenerationResult.model_validate_json(stored), "stored")
+            return ExactOutcome.SERVED
+        running = self.ledger.get_value(f"{key}:running")
+        # Only a run still in flight is waited for: one that ended without telling us must not hold others.
+        if (
+            running is not None
+            and running != request.job_id
+            and self.ledger.state(running) in ("accepted", "dispatched")
+        ):
+            self.ledger.add_waiter(key, request.model_dump_json())
+            self.ledger.set_state(request.job_id, "coalesced")
+            METRICS.exact_hits.labels(kind="coalesced").inc()
+            log.info(
+                "identical request running; this one waits for its result",
+                extra={"request_id": request.request_id, "tenant": request.tenant, "running": running},
+            )
+            return ExactOutcome.COALESCED
+        return ExactOutcome.RUN
+
+    def running(self, request: GenerationRequest) -> None:
+        """Record ``request`` (dispatched now) as the one running for its fingerprint."""
+        if request.reuse is ReusePolicy.AUTO and self.settings.exact_hits:
+            self.ledger.put_value(
+                f"{self._scope(request)}:running", request.job_id, ttl_s=self.settings.donor_ttl_s
+            )
+
+    # --- results ---------------------------------------------------------------------------------------------
+    def on_result(self, record: RequestRecord, result: GenerationResult) -> None:
+        """Store a finished request's result for later identical ones, and answer (or run) those waiting."""
+        if record.order is None or not self.settings.exact_hits:
+            return
+        request = WorkOrder.model_validate_json(record.order).request
+        if request.reuse is not ReusePolicy.AUTO:
+            return
+        key = self._scope(request)
+        if self.ledger.get_value(f"{key}:running") == request.job_id:
+            self.ledger.delete_value(f"{key}:running")
+        served = result.status is ResultStatus.DONE and result.video_uri is not None
+        if served:
+            self.ledger.put_value(f"{key}:done", result.model_dump_json(), ttl_s=self.settings.donor_ttl_s)
+        for raw in self.ledger.take_waiters(key):
+            waiting = GenerationRequest.model_validate_json(raw)
+            if served:
+                self._serve(waiting, result, "coalesced")
+            else:
+                self._run_in_full(waiting, result)
+
+    def _serve(self, request: GenerationRequest, source: GenerationResult, kind: str) -> None:
+        answer = GenerationResult(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            status=ResultStatus.DONE,
+            video_uri=source.video_uri,
+            donor=DonorInfo(request_id=source.job_id, similarity=1.0),
+            plan=ReusePlan(stage1_steps=request.num_steps, stage2_steps=0, stage3_steps=0),
+            steps_computed=0,
+            steps_requested=request.num_steps,
+            tokens_computed_fraction=0.0,
+            reuse=ReuseKind.EXACT,
+            served_from=source.job_id,
+        )
+        self.publish(self.settings.kafka_results_topic, request.request_id, answer.to_bytes())
+        self.ledger.set_state(request.job_id, "done")
+        METRICS.exact_hits.labels(kind=kind).inc()
+        log.info(
+            "exact hit: answered from an identical request's result",
+            extra={"request_id": request.request_id, "tenant": request.tenant, "served_from": source.job_id},
+        )
+
+    def _run_in_full(self, request: GenerationRequest, failed: GenerationResult) -> None:
+        order = WorkOrder(request=request, plan=ReusePlan.full(request.num_steps), role=Role.SOLO)
+        self.send_order(order)
+        self.ledger.record_dispatch(
+            RequestRecord(
+                request_id=request.job_id,
+                tenant=request.tenant,
+                prompt=request.prompt,
+                model=request.model,
+                compat_key=request.compatibility_key,
+                num_steps=request.num_steps,
+                reuse=str(request.reuse),
+                role=str(Role.SOLO),
+                order=order.model_dump_json(),
+                dispatched_at=self.clock(),
+            )
+        )
+        log.warning(
+            "the identical request this one waited for did not finish; running it in full",
+            extra={
+                "request_id": request.request_id,
+                "waited_for": failed.job_id,
+                "status": str(failed.status),
+            },
+        )
