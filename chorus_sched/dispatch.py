@@ -19,7 +19,7 @@ from typing import Any
 
 from celery import Celery
 
-from workers.orders import EvictOrder, WorkOrder, heartbeat_of
+from producer.orders import EvictOrder, WorkOrder, heartbeat_of
 
 log = logging.getLogger(__name__)
 

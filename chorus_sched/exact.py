@@ -32,7 +32,7 @@ from producer.contract import (
     ReusePlan,
     ReusePolicy,
 )
-from workers.orders import Role, WorkOrder
+from producer.orders import Role, WorkOrder
 
 log = logging.getLogger(__name__)
 

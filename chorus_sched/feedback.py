@@ -22,7 +22,7 @@ from chorus_sched.index import DonorEntry, DonorIndex
 from chorus_sched.ledger import Ledger, RequestRecord
 from chorus_sched.metrics import METRICS
 from producer.contract import GenerationResult, ResultStatus, ReusePolicy
-from workers.orders import Role, trajectory_prefix
+from producer.orders import Role, trajectory_prefix
 
 log = logging.getLogger(__name__)
 

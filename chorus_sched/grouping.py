@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from chorus_sched.embedding import TokenDiff, token_diff
 from chorus_sched.planner import PlanChoice, Planner, estimated_steps_saved
 from producer.contract import GenerationRequest, ReusePlan, ReusePolicy
-from workers.orders import Role
+from producer.orders import Role
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from chorus_sched.metrics import METRICS
 from chorus_sched.planner import Planner
 from chorus_sched.settings import SchedulerSettings
 from producer.contract import ContractError, GenerationRequest, ReusePolicy, parse_keyed_request
-from workers.orders import DonorRef, Role, WorkOrder, trajectory_prefix
+from producer.orders import DonorRef, Role, WorkOrder, trajectory_prefix
 
 log = logging.getLogger(__name__)
 

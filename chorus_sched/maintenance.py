@@ -22,7 +22,7 @@ from chorus_sched.index import DonorIndex
 from chorus_sched.ledger import RETRYABLE_STATES, Ledger
 from chorus_sched.metrics import METRICS
 from chorus_sched.settings import SchedulerSettings
-from workers.orders import EvictOrder
+from producer.orders import EvictOrder
 
 log = logging.getLogger(__name__)
 

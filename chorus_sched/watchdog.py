@@ -5,7 +5,7 @@ kombu's filesystem transport the message was deleted when read, and nothing else
 keeps the order it sent in the ledger (``RequestRecord.order``) and, during maintenance, checks every request
 still ``dispatched`` for longer than ``order_check_after_s``:
 
-- started (STARTED/PROGRESS) and its heartbeat (``workers.orders.HEARTBEAT_FIELD``, written every
+- started (STARTED/PROGRESS) and its heartbeat (``producer.orders.HEARTBEAT_FIELD``, written every
   ``worker_heartbeat_s`` by the running task) older than ``worker_lost_after_s``: the worker is gone;
 - never started (PENDING) for longer than ``order_pending_lost_after_s``: the message was lost (a live queue
   that is merely long keeps the order PENDING too, so this bound is generous);
@@ -27,7 +27,7 @@ from chorus_sched.ledger import Ledger, RequestRecord
 from chorus_sched.metrics import METRICS
 from chorus_sched.settings import SchedulerSettings
 from producer.contract import ErrorInfo, GenerationResult, ResultStatus
-from workers.orders import WorkOrder
+from producer.orders import WorkOrder
 
 log = logging.getLogger(__name__)
 

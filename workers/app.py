@@ -19,7 +19,6 @@ task). JSON is the only serializer accepted.
 
 from __future__ import annotations
 
-import json
 import weakref
 from pathlib import Path
 from typing import Any
@@ -28,14 +27,15 @@ from celery import Celery
 from celery.result import AsyncResult
 from kombu import Exchange, Queue
 
-from producer.catalog import CATALOG
-from workers.orders import (
+from producer.orders import (
     EVICT_TASK,
     GENERATE_TASK,
     MAINTENANCE_QUEUE,
     EvictOrder,
     WorkOrder,
+    all_queues,
     queue_for,
+    route,
 )
 from workers.settings import WorkerSettings
 
@@ -46,11 +46,6 @@ _SETTINGS: weakref.WeakKeyDictionary[Celery, WorkerSettings] = weakref.WeakKeyDi
 
 # Built on first access by ``__getattr__`` below (for ``celery -A workers.app``).
 app: Celery
-
-
-def all_queues() -> list[str]:
-    """Every queue a Chorus worker may consume: one per catalog model, plus maintenance."""
-    return [queue_for(m) for m in sorted(CATALOG)] + [MAINTENANCE_QUEUE]
 
 
 def filesystem_dirs(state_dir: Path) -> dict[str, Path]:
@@ -67,22 +62,14 @@ def filesystem_dirs(state_dir: Path) -> dict[str, Path]:
 def route_task(
     name: str, args: Any, kwargs: Any, options: Any, task: Any = None, **_: Any
 ) -> dict[str, Any] | None:
-    """Celery router: a generate order goes to its model's queue, evictions to maintenance.
-
-    An order whose model cannot be read goes to the maintenance queue, where any worker answers it with a
-    ``failed`` result naming the problem (nothing is silently dropped).
-    """
-    if name == EVICT_TASK:
-        return {"queue": MAINTENANCE_QUEUE, "routing_key": MAINTENANCE_QUEUE, "exchange": EXCHANGE.name}
-    if name != GENERATE_TASK:
-        return None
-    model = None
+    """Celery router: each task to the queue ``producer.orders.route`` names for it (None: Celery's default)."""
     try:
         raw = args[0] if args else (kwargs or {}).get("order_json")
-        model = json.loads(raw or "")["request"]["model"]
     except (TypeError, ValueError, KeyError, IndexError):
-        pass
-    queue = queue_for(model) if isinstance(model, str) and model in CATALOG else MAINTENANCE_QUEUE
+        raw = None
+    queue = route(name, raw)
+    if queue is None:
+        return None
     return {"queue": queue, "routing_key": queue, "exchange": EXCHANGE.name}
 
 

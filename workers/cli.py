@@ -131,7 +131,7 @@ def worker_argv(
     settings: WorkerSettings, *, pool: str, autoscale: bool, hostname: str, maintenance: bool
 ) -> tuple[list[str], list[str], str]:
     """Celery ``worker`` arguments for the served models: (argv, queues, a description of the pool size)."""
-    from workers.orders import MAINTENANCE_QUEUE, queue_for
+    from producer.orders import MAINTENANCE_QUEUE, queue_for
 
     queues = [queue_for(m) for m in settings.served_models] + ([MAINTENANCE_QUEUE] if maintenance else [])
     argv = ["worker", "-Q", ",".join(queues), "-P", pool, "-n", hostname, "--loglevel", settings.log_level]

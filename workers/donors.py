@@ -1,6 +1,6 @@
 """Donor trajectories in S3: reading them (a ``DonorSource``) and writing them (``TrajectoryUploader``).
 
-Layout (``workers.orders``): ``<prefix>header.json`` holds the metadata and initial latent, then one
+Layout (``producer.orders``): ``<prefix>header.json`` holds the metadata and initial latent, then one
 ``<prefix>step-NNNN.safetensors`` per step, each sealed with its own sha256 by ``workers.engine.trajectory``.
 
 Reading, two ways:
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from producer.orders import abandoned_key, header_key, step_key
 from workers.engine.errors import CorruptTrajectory, DonorMissing, DonorUnavailable
 from workers.engine.trajectory import (
     StepRecord,
@@ -43,21 +44,6 @@ from workers.engine.trajectory import (
 from workers.store import ObjectCorrupt, ObjectMissing, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
-
-HEADER_NAME = "header.json"
-ABANDONED_NAME = "abandoned"
-
-
-def header_key(prefix: str) -> str:
-    return f"{prefix}{HEADER_NAME}"
-
-
-def abandoned_key(prefix: str) -> str:
-    return f"{prefix}{ABANDONED_NAME}"
-
-
-def step_key(prefix: str, index: int) -> str:
-    return f"{prefix}step-{index:04d}.safetensors"
 
 
 class S3DonorSource:

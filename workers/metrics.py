@@ -67,8 +67,8 @@ from producer.catalog import CATALOG
 
 if TYPE_CHECKING:
     from producer.contract import GenerationResult
+    from producer.orders import WorkOrder
     from workers.engine.engine import GenerationOutput
-    from workers.orders import WorkOrder
     from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)

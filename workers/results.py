@@ -27,9 +27,9 @@ from producer.contract import (
     salvage_identity,
     salvage_json,
 )
+from producer.orders import WorkOrder
 from producer.settings import KafkaSettings
 from workers.metrics import metrics
-from workers.orders import WorkOrder
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 from producer.contract import GenerationResult, ReusePlan
+from producer.orders import Role, WorkOrder, trajectory_prefix, video_key
 from producer.readiness import ReadinessEvent
 from workers import metrics as worker_metrics
 from workers import video
@@ -36,7 +37,6 @@ from workers.engine.errors import (
 )
 from workers.engine.registry import load_bundle
 from workers.engine.trajectory import StepRecord
-from workers.orders import Role, WorkOrder, trajectory_prefix, video_key
 from workers.results import (
     FailureCode,
     PhaseClock,

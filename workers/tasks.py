@@ -21,8 +21,8 @@ from typing import Any
 from celery import Celery, Task
 from pydantic import ValidationError
 
+from producer.orders import EVICT_TASK, GENERATE_TASK, HEARTBEAT_FIELD, EvictOrder
 from workers.metrics import busy, metrics
-from workers.orders import EVICT_TASK, GENERATE_TASK, HEARTBEAT_FIELD, EvictOrder
 from workers.results import ResultNotPublished
 from workers.store import StoreError, store_for
 

@@ -54,10 +54,9 @@ from producer.contract import DeadLetter, GenerationRequest, GenerationResult, R
 from producer.local.config import StackOptions
 from producer.local.processes import ServiceProcess
 from producer.local.stack import EmbeddedStack
+from producer.orders import Role, WorkOrder, header_key, queue_for, step_key, trajectory_prefix, video_key
 from producer.sdk import ChorusClient, ResultWatcher
 from workers.app import EXCHANGE, app_for_broker
-from workers.donors import header_key, step_key
-from workers.orders import Role, WorkOrder, queue_for, trajectory_prefix, video_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

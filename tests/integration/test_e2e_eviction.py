@@ -13,6 +13,7 @@ import pytest
 
 from producer.contract import ResultStatus
 from producer.local.stack import EmbeddedStack
+from producer.orders import Role, trajectory_prefix, video_key
 from tests.integration.test_e2e import (
     STEPS,
     donor_index,
@@ -22,7 +23,6 @@ from tests.integration.test_e2e import (
     submit_and_wait,
     wait_for,
 )
-from workers.orders import Role, trajectory_prefix, video_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

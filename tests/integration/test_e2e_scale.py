@@ -25,6 +25,7 @@ import pytest
 
 from producer.contract import ResultStatus
 from producer.local.stack import EmbeddedStack
+from producer.orders import Role
 from producer.sdk import ChorusClient
 from tests.integration.test_e2e import (
     WAIT_S,
@@ -35,7 +36,6 @@ from tests.integration.test_e2e import (
     stack_options,
     wait_results,
 )
-from workers.orders import Role
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -40,9 +40,7 @@ from producer.contract import (
     ReusePlan,
     build_request,
 )
-from producer.settings import KafkaSettings
-from workers.app import EXCHANGE, app_for_broker
-from workers.orders import (
+from producer.orders import (
     EVICT_TASK,
     GENERATE_TASK,
     MAINTENANCE_QUEUE,
@@ -51,6 +49,8 @@ from workers.orders import (
     WorkOrder,
     queue_for,
 )
+from producer.settings import KafkaSettings
+from workers.app import EXCHANGE, app_for_broker
 
 pytestmark = pytest.mark.integration
 

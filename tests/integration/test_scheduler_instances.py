@@ -25,9 +25,9 @@ from producer.contract import DeadLetter, GenerationRequest, build_request
 from producer.local.config import StackOptions
 from producer.local.processes import ServiceProcess
 from producer.local.stack import EmbeddedStack
+from producer.orders import GENERATE_TASK, Role, WorkOrder, queue_for
 from producer.readiness import ReadinessEvent
 from workers.app import EXCHANGE, app_for_broker
-from workers.orders import GENERATE_TASK, Role, WorkOrder, queue_for
 
 pytestmark = pytest.mark.integration
 

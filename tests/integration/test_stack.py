@@ -27,8 +27,8 @@ from producer.contract import ResultStatus, build_request
 from producer.local.config import StackError, StackOptions
 from producer.local.stack import EmbeddedStack
 from producer.local.standins import read_snapshot
+from producer.orders import trajectory_header_key, video_key
 from producer.sdk import ChorusClient
-from workers.orders import trajectory_header_key, video_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

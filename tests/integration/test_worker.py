@@ -24,19 +24,20 @@ from celery.contrib.testing.worker import start_worker
 
 from producer.contract import GenerationRequest, GenerationResult, ResultStatus, ReusePlan, build_request
 from producer.local.standins import EmbeddedService
-from producer.sdk import ResultWatcher
-from workers.app import app_for_broker, create_app, send_evict, send_generate
-from workers.donors import header_key, step_key
-from workers.orders import (
+from producer.orders import (
     GENERATE_TASK,
     MAINTENANCE_QUEUE,
     DonorRef,
     EvictOrder,
     Role,
     WorkOrder,
+    header_key,
     queue_for,
+    step_key,
     trajectory_prefix,
 )
+from producer.sdk import ResultWatcher
+from workers.app import app_for_broker, create_app, send_evict, send_generate
 from workers.settings import WorkerSettings
 from workers.store import ObjectStore
 

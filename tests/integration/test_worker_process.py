@@ -23,10 +23,9 @@ from celery import Celery
 
 from producer.contract import ResultStatus, ReusePlan, build_request
 from producer.local.standins import EmbeddedService
+from producer.orders import DonorRef, Role, WorkOrder, header_key, step_key, trajectory_prefix
 from producer.sdk import ResultWatcher, read_requests
 from workers.app import app_for_broker, send_generate
-from workers.donors import header_key, step_key
-from workers.orders import DonorRef, Role, WorkOrder, trajectory_prefix
 from workers.settings import WorkerSettings
 from workers.store import ObjectStore
 

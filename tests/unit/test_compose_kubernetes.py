@@ -31,8 +31,8 @@ from pydantic_settings import BaseSettings
 
 from chorus_sched.metrics import SchedulerMetrics
 from chorus_sched.settings import SchedulerSettings
+from producer.orders import queue_for
 from workers.metrics import WorkerMetrics
-from workers.orders import queue_for
 from workers.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]

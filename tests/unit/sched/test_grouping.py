@@ -3,7 +3,7 @@ from __future__ import annotations
 from chorus_sched.grouping import Candidate, blocked_gain, decide
 from chorus_sched.planner import CalibrationTable, Planner
 from producer.contract import build_request
-from workers.orders import Role
+from producer.orders import Role
 
 RED = "a red circle moving left on a white background"
 BLUE = "a blue circle moving left on a white background"

@@ -29,8 +29,8 @@ from producer.contract import (
     ReusePlan,
     build_request,
 )
+from producer.orders import MAINTENANCE_QUEUE, queue_for
 from workers.app import app_for_broker
-from workers.orders import MAINTENANCE_QUEUE, queue_for
 
 PROMPT = "a red circle moving left on a white background"
 OTHER = "a green triangle moving up on a black background"

@@ -34,7 +34,7 @@ from producer.contract import (
     ReusePlan,
     build_request,
 )
-from workers.orders import EvictOrder, Role, WorkOrder
+from producer.orders import EvictOrder, Role, WorkOrder
 
 PROMPT = "a red circle moving left on a white background"
 REQUESTS = "chorus.requests"

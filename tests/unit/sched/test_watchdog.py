@@ -15,7 +15,7 @@ from chorus_sched.ledger_sqlite import SqliteLedger
 from chorus_sched.settings import SchedulerSettings
 from chorus_sched.watchdog import OrderWatchdog
 from producer.contract import GenerationResult, ResultStatus, ReusePlan, build_request
-from workers.orders import WorkOrder
+from producer.orders import WorkOrder
 
 
 class FakeCelery:

@@ -12,8 +12,8 @@ from pydantic import ValidationError
 
 from producer.catalog import CATALOG
 from producer.contract import ReusePlan, build_request
+from producer.orders import EVICT_TASK, GENERATE_TASK, MAINTENANCE_QUEUE, WorkOrder, queue_for
 from workers.app import all_queues, app_for_broker, celery_config, create_app, route_task, settings_of
-from workers.orders import EVICT_TASK, GENERATE_TASK, MAINTENANCE_QUEUE, WorkOrder, queue_for
 from workers.settings import WorkerSettings
 
 

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from producer.local.standins import EmbeddedService
-from workers.donors import S3DonorSource, TrajectoryUploader, abandoned_key, header_key, step_key
+from producer.orders import (
+    abandoned_key,
+    header_key,
+    step_key,
+    trajectory_header_key,
+    trajectory_prefix,
+    trajectory_step_key,
+)
+from workers.donors import S3DonorSource, TrajectoryUploader
 from workers.engine.errors import CorruptTrajectory, DonorUnavailable
 from workers.engine.trajectory import (
     StepRecord,
@@ -23,7 +31,6 @@ from workers.engine.trajectory import (
     encode_header,
     encode_step,
 )
-from workers.orders import trajectory_header_key, trajectory_prefix, trajectory_step_key
 from workers.store import ObjectStore
 
 

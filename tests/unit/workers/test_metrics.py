@@ -23,8 +23,8 @@ from producer.contract import (
     ReusePlan,
     build_request,
 )
+from producer.orders import DonorRef, Role, WorkOrder
 from workers import metrics as wm
-from workers.orders import DonorRef, Role, WorkOrder
 
 MODEL = "tiny-random-wan"
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from producer.contract import GenerationResult, PhaseTimings, ResultStatus, ReusePlan, build_request
-from workers.orders import DonorRef, Role, WorkOrder, trajectory_prefix
+from producer.orders import DonorRef, Role, WorkOrder, trajectory_prefix
 from workers.results import FailureCode, PhaseClock, done_result, failed_result, queue_seconds, salvage_ids
 
 
