@@ -195,9 +195,9 @@ class Feedback:
         if result.donor is None:
             return
         donor_id = result.donor.request_id
-        if result.fallback is not None or result.plan is None or not result.plan.reuses:
+        if not result.saved_compute:  # the one definition of a hit: fewer token-steps than in full
             log.info(
-                "planned donor was not used",
+                "planned donor saved nothing",
                 extra={"request_id": result.request_id, "donor": donor_id, "fallback": result.fallback},
             )
             return

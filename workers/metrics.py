@@ -271,12 +271,12 @@ def model_label(model: str | None) -> str:
 
 
 def reuse_label(result: GenerationResult) -> str:
-    """As the scheduler counts a donor hit: a planned donor that was used without any fallback."""
+    """``donor``: a hit, i.e. it computed fewer token-steps than in full (``GenerationResult.saved_compute``);
+    ``fallback``: a donor was planned but nothing was saved (a fallback, or a plan that recomputed every token);
+    ``none``: no donor was planned."""
     if result.donor is None:
         return "none"
-    if result.fallback is not None or result.plan is None or not result.plan.reuses:
-        return "fallback"
-    return "donor"
+    return "donor" if result.saved_compute else "fallback"
 
 
 def observe_result(result: GenerationResult, order: WorkOrder | None) -> None:

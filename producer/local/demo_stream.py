@@ -182,13 +182,13 @@ def live_line(item: DemoItem, result: GenerationResult, latency: float) -> str:
     if result.status.value != "done":
         why = f"{result.error.code}: {result.error.message}" if result.error else result.status.value
         return f"[red]✗[/] {escape(item.request_id)} {item.kind}: {escape(why[:160])}"
-    if (
-        result.donor is not None
-        and result.plan is not None
-        and result.plan.reuses
-        and result.fallback is None
-    ):
-        what = f"[green]reused[/] {escape(result.donor.request_id)} (sim {result.donor.similarity:.2f})"
+    if result.saved_compute and result.donor is not None:
+        what = (
+            f"[green]{result.reuse}[/] from {escape(result.donor.request_id)} (sim {result.donor.similarity:.2f}, "
+            f"{result.tokens_computed_fraction:.0%} of the token-steps)"
+        )
+    elif result.donor is not None and not result.fallback:
+        what = f"[yellow]full[/] (donor {escape(result.donor.request_id)} planned; nothing saved)"
     elif result.fallback:
         what = f"[yellow]full[/] ({escape(result.fallback[:80])})"
     else:

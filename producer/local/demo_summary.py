@@ -190,13 +190,8 @@ def summarize(
             "plan_k1": plan.stage1_steps if plan else None,
             "plan_k2": plan.stage2_steps if plan else None,
             "plan_k3": plan.stage3_steps if plan else None,
-            "hit": bool(
-                result.status.value == "done"
-                and donor is not None
-                and plan is not None
-                and plan.reuses
-                and result.fallback is None
-            ),
+            # A hit saves compute: a plan that recomputed everything is not one (GenerationResult.saved_compute).
+            "hit": result.saved_compute,
             "fallback": result.fallback,
             "steps_requested": result.steps_requested,
             "steps_computed": result.steps_computed,

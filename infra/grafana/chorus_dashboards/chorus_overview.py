@@ -220,6 +220,18 @@ def reuse(lay: Layout) -> None:
         8,
         8,
     )
+    lay.add(
+        timeseries(
+            "Exact hits",
+            [Query(f"sum by (kind) (rate(chorus_exact_hits_total{RATE}))", "{{kind}}")],
+            unit="reqps",
+            stack=True,
+            description="Requests answered from an identical request's result with no worker compute: stored "
+            "(answered at once) or coalesced (waited for an identical request in flight).",
+        ),
+        8,
+        8,
+    )
 
 
 def latency(lay: Layout) -> None:
@@ -300,6 +312,20 @@ def errors(lay: Layout) -> None:
                 Query(f"sum(rate(chorus_worker_result_publish_errors_total{RATE}))", "result not published"),
             ],
             unit="reqps",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Lost orders and index outages",
+            [
+                Query(f"sum by (outcome) (rate(chorus_orders_lost_total{RATE}))", "order lost ({{outcome}})"),
+                Query(f"sum(rate(chorus_index_unavailable_total{RATE}))", "scheduled without the index"),
+            ],
+            unit="reqps",
+            description="Orders whose worker vanished (sent again, or answered failed after max_redispatches), and "
+            "requests computed in full because the donor index could not be opened.",
         ),
         8,
         8,
