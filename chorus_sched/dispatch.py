@@ -1,7 +1,7 @@
-"""Dispatch: work orders and eviction orders onto the Celery broker, through the one app module.
+"""Dispatch: work orders and eviction orders onto the Celery broker, through the kernel's broker module.
 
-The client app comes from ``workers.app.app_for_broker`` (same queues, routes and serializer as the workers);
-``chorus.generate`` goes to the request's model queue with the ``WorkOrder`` as JSON and the request id as the
+The client app comes from ``producer.broker.app_for_broker`` (same queues, routes and serializer as the
+workers); ``chorus.generate`` goes to the request's model queue with the ``WorkOrder`` as JSON and the request id as the
 task id, ``chorus.evict`` to the maintenance queue. Both calls return once the broker has the message, which
 is when the scheduler may commit the Kafka offset.
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from celery import Celery
 
+from producer.broker import app_for_broker, send_evict, send_generate
 from producer.orders import EvictOrder, WorkOrder, heartbeat_of
 
 log = logging.getLogger(__name__)
@@ -40,13 +41,9 @@ class Dispatcher:
 
     @classmethod
     def for_broker(cls, broker_url: str, *, state_dir: Path) -> Dispatcher:
-        from workers.app import app_for_broker
-
         return cls(app_for_broker(broker_url, state_dir=state_dir))
 
     def generate(self, order: WorkOrder) -> None:
-        from workers.app import send_generate
-
         options: dict[str, Any] = {}
         priority = broker_priority(order.request.priority, self.broker_url)
         if priority is not None:
@@ -59,8 +56,6 @@ class Dispatcher:
         return str(result.state), heartbeat_of(result.info)
 
     def evict(self, order: EvictOrder) -> None:
-        from workers.app import send_evict
-
         send_evict(self.app, order)
 
     def close(self) -> None:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from workers.app import all_queues
+from producer.orders import all_queues
 
 if TYPE_CHECKING:
     from kafka import KafkaConsumer
@@ -427,7 +427,7 @@ def serve(settings: SchedulerSettings, *, addr: str = "0.0.0.0") -> Exposition |
     if settings.metrics_port == 0:
         log.info("metrics not exposed (metrics_port is 0)")
         return None
-    from workers.app import app_for_broker
+    from producer.broker import app_for_broker
 
     try:
         server, thread = start_http_server(settings.metrics_port, addr=addr)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _API_VERSION = re.compile(r"^(auto|\d+(\.\d+){1,2})$")
@@ -50,6 +50,27 @@ class KafkaSettings(ChorusSettings):
         if self.kafka_api_version == "auto":
             return None
         return tuple(int(p) for p in self.kafka_api_version.split("."))
+
+
+class BrokerSettings(ChorusSettings):
+    """The Celery broker both sides of an order use (``producer.broker``): the scheduler sends, workers consume."""
+
+    # Celery broker and result backend. Empty means the embedded filesystem transport under state_dir.
+    broker_url: str = ""
+    result_backend: str = ""
+    # Prefix of every Redis key the broker and result backend use, so deployments can share one Redis.
+    broker_key_prefix: str = ""
+    # Per-task time limits: past the soft limit the task publishes a `failed` result; past the hard limit the
+    # pool kills the process (and Celery records the task as failed, without a redelivery). The broker's
+    # redelivery timer (visibility timeout) outlasts the hard limit.
+    task_soft_time_limit_s: float = Field(default=900.0, gt=0)
+    task_time_limit_s: float = Field(default=960.0, gt=0)
+
+    @model_validator(mode="after")
+    def _hard_limit_after_soft(self) -> Self:
+        if self.task_time_limit_s <= self.task_soft_time_limit_s:
+            raise ValueError("task_time_limit_s must exceed task_soft_time_limit_s")
+        return self
 
 
 class ProducerSettings(KafkaSettings):

@@ -9,15 +9,11 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from producer.catalog import CATALOG
-from producer.settings import KafkaSettings
+from producer.settings import BrokerSettings, KafkaSettings
 
 
-class WorkerSettings(KafkaSettings):
-    # Celery broker and result backend. Empty means the embedded filesystem transport under state_dir.
-    broker_url: str = ""
-    result_backend: str = ""
-    # Prefix of every Redis key the broker and result backend use, so deployments can share one Redis.
-    broker_key_prefix: str = ""
+class WorkerSettings(KafkaSettings, BrokerSettings):
+    # The Celery broker, result backend and task time limits are BrokerSettings' (shared with the scheduler).
     s3_endpoint: str = "127.0.0.1:9000"
     s3_secure: bool = False
     s3_region: str = "us-east-1"
@@ -45,10 +41,6 @@ class WorkerSettings(KafkaSettings):
     worker_concurrency: int = Field(default=1, ge=1, le=256)
     worker_autoscale_min: int = Field(default=1, ge=0, le=256)
     worker_autoscale_max: int = Field(default=2, ge=1, le=256)
-    # Per-task time limits: past the soft limit the task publishes a `failed` result; past the hard limit the
-    # pool kills the process (and Celery records the task as failed, without a redelivery).
-    task_soft_time_limit_s: float = Field(default=900.0, gt=0)
-    task_time_limit_s: float = Field(default=960.0, gt=0)
     # Deliveries of one order (worker lost, broker redelivery) after which it is answered `failed` rather
     # than run again, so a request that kills its worker cannot loop forever.
     task_max_attempts: int = Field(default=3, ge=1, le=100)
@@ -80,8 +72,6 @@ class WorkerSettings(KafkaSettings):
 
     @model_validator(mode="after")
     def _consistent_limits(self) -> Self:
-        if self.task_time_limit_s <= self.task_soft_time_limit_s:
-            raise ValueError("task_time_limit_s must exceed task_soft_time_limit_s")
         if self.worker_autoscale_min > self.worker_autoscale_max:
             raise ValueError("worker_autoscale_min must not exceed worker_autoscale_max")
         return self

@@ -21,9 +21,11 @@ from typing import Any
 from celery import Celery, Task
 from pydantic import ValidationError
 
+from producer import broker
 from producer.orders import EVICT_TASK, GENERATE_TASK, HEARTBEAT_FIELD, EvictOrder
 from workers.metrics import busy, metrics
 from workers.results import ResultNotPublished
+from workers.settings import WorkerSettings
 from workers.store import StoreError, store_for
 
 log = logging.getLogger(__name__)
@@ -31,10 +33,13 @@ log = logging.getLogger(__name__)
 _ATTEMPTS_SUFFIX = ".attempts"
 
 
+def settings_of(app: Celery) -> WorkerSettings:
+    """The settings the worker app was built from (the environment's, for an app built elsewhere)."""
+    return broker.settings_of(app, WorkerSettings)
+
+
 def register(app: Celery) -> None:
     """Register both tasks on ``app`` only (not shared: a client app built later must not get them)."""
-    from workers.app import settings_of
-
     settings = settings_of(app)
     app.task(
         name=GENERATE_TASK,
@@ -58,7 +63,6 @@ def register(app: Celery) -> None:
 
 def generate(self: Task, order_json: str) -> dict[str, Any]:
     """Run one ``WorkOrder``; publishes its ``GenerationResult`` and returns a short summary."""
-    from workers.app import settings_of
     from workers.runner import runner_for
 
     settings = settings_of(self.app)
@@ -115,8 +119,6 @@ def _heartbeat(beat: Any, interval_s: float) -> Iterator[None]:
 
 def evict(self: Task, order_json: str) -> dict[str, Any]:
     """Delete every object under the trajectory prefix of each evicted donor (idempotent)."""
-    from workers.app import settings_of
-
     try:
         order = EvictOrder.model_validate_json(order_json)
     except ValidationError as exc:

@@ -50,13 +50,13 @@ from chorus_sched.index import DonorEntry, DonorIndex
 from chorus_sched.planner import parse_calibration
 from chorus_sched.settings import SchedulerSettings
 from producer import bus
+from producer.broker import EXCHANGE, app_for_broker
 from producer.contract import DeadLetter, GenerationRequest, GenerationResult, ResultStatus, build_request
 from producer.local.config import StackOptions
 from producer.local.processes import ServiceProcess
 from producer.local.stack import EmbeddedStack
 from producer.orders import Role, WorkOrder, header_key, queue_for, step_key, trajectory_prefix, video_key
 from producer.sdk import ChorusClient, ResultWatcher
-from workers.app import EXCHANGE, app_for_broker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -31,6 +31,7 @@ from chorus_sched.planner import Planner, load_calibration
 from chorus_sched.service import Scheduler, build_scheduler, run
 from chorus_sched.settings import SchedulerSettings
 from producer import bus
+from producer.broker import EXCHANGE, app_for_broker
 from producer.contract import (
     DeadLetter,
     DonorInfo,
@@ -50,7 +51,6 @@ from producer.orders import (
     queue_for,
 )
 from producer.settings import KafkaSettings
-from workers.app import EXCHANGE, app_for_broker
 
 pytestmark = pytest.mark.integration
 

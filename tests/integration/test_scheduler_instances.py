@@ -21,13 +21,13 @@ from kombu import Queue
 from chorus_sched.index import DonorIndex
 from chorus_sched.ledger_sqlite import SqliteLedger
 from producer import bus
+from producer.broker import EXCHANGE, app_for_broker
 from producer.contract import DeadLetter, GenerationRequest, build_request
 from producer.local.config import StackOptions
 from producer.local.processes import ServiceProcess
 from producer.local.stack import EmbeddedStack
 from producer.orders import GENERATE_TASK, Role, WorkOrder, queue_for
 from producer.readiness import ReadinessEvent
-from workers.app import EXCHANGE, app_for_broker
 
 pytestmark = pytest.mark.integration
 

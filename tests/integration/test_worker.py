@@ -22,6 +22,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from producer.broker import app_for_broker, send_evict, send_generate
 from producer.contract import GenerationRequest, GenerationResult, ResultStatus, ReusePlan, build_request
 from producer.local.standins import EmbeddedService
 from producer.orders import (
@@ -37,7 +38,7 @@ from producer.orders import (
     trajectory_prefix,
 )
 from producer.sdk import ResultWatcher
-from workers.app import app_for_broker, create_app, send_evict, send_generate
+from workers.app import create_app
 from workers.settings import WorkerSettings
 from workers.store import ObjectStore
 

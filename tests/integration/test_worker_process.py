@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
+from producer.broker import app_for_broker, send_generate
 from producer.contract import ResultStatus, ReusePlan, build_request
 from producer.local.standins import EmbeddedService
 from producer.orders import DonorRef, Role, WorkOrder, header_key, step_key, trajectory_prefix
 from producer.sdk import ResultWatcher, read_requests
-from workers.app import app_for_broker, send_generate
 from workers.settings import WorkerSettings
 from workers.store import ObjectStore
 

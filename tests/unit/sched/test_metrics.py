@@ -20,6 +20,7 @@ from chorus_sched import metrics as sm
 from chorus_sched.embedding import HashingEmbedder
 from chorus_sched.service import Scheduler, build_scheduler
 from chorus_sched.settings import SchedulerSettings
+from producer.broker import app_for_broker
 from producer.contract import (
     DonorInfo,
     ErrorInfo,
@@ -30,7 +31,6 @@ from producer.contract import (
     build_request,
 )
 from producer.orders import MAINTENANCE_QUEUE, queue_for
-from workers.app import app_for_broker
 
 PROMPT = "a red circle moving left on a white background"
 OTHER = "a green triangle moving up on a black background"

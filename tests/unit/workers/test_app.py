@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from producer.broker import app_for_broker, route_task, settings_of
 from producer.catalog import CATALOG
 from producer.contract import ReusePlan, build_request
-from producer.orders import EVICT_TASK, GENERATE_TASK, MAINTENANCE_QUEUE, WorkOrder, queue_for
-from workers.app import all_queues, app_for_broker, celery_config, create_app, route_task, settings_of
+from producer.orders import EVICT_TASK, GENERATE_TASK, MAINTENANCE_QUEUE, WorkOrder, all_queues, queue_for
+from workers.app import celery_config, create_app
 from workers.settings import WorkerSettings
 
 
