@@ -308,6 +308,11 @@ class GenerationResult(_Wire):
     served_from: str | None = Field(
         default=None, description="for an exact hit: the job id of the request whose video this is"
     )
+    seed_honoured: bool = Field(
+        default=True,
+        description="False when the video started from a donor made with another seed (Stage 1): it is a sample "
+        "for the prompt, but not the one the requested seed alone would give",
+    )
 
     @property
     def saved_compute(self) -> bool:

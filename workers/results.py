@@ -108,8 +108,10 @@ def done_result(
     timings: PhaseTimings,
     worker: str | None,
     donor_gone: bool = False,
+    donor_seed: int | None = None,
 ) -> GenerationResult:
     request = order.request
+    reuse = _reuse_kind(order, steps_computed, tokens_computed_fraction)
     return GenerationResult(
         request_id=request.request_id,
         tenant=request.tenant,
@@ -126,7 +128,8 @@ def done_result(
         donor_gone=donor_gone,
         timings=timings,
         worker=worker,
-        reuse=_reuse_kind(order, steps_computed, tokens_computed_fraction),
+        reuse=reuse,
+        seed_honoured=reuse is not ReuseKind.STAGE1 or donor_seed == request.seed,
     )
 
 

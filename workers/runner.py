@@ -313,6 +313,7 @@ class Runner:
             donor_gone=donor_gone,
             timings=clock.timings(queue_s),
             worker=worker,
+            donor_seed=meta.seed if source is not None and (meta := source.loaded_metadata) else None,
         )
         log.info(
             "order done",
@@ -322,6 +323,8 @@ class Runner:
                 "steps_requested": result.steps_requested,
                 "tokens_computed_fraction": round(result.tokens_computed_fraction, 4),
                 "fallback": result.fallback,
+                "reuse": str(result.reuse),
+                "seed_honoured": result.seed_honoured,
                 "video_uri": result.video_uri,
                 "trajectory_bytes": result.trajectory_bytes,
                 **{k: round(v, 4) for k, v in result.timings.model_dump().items()},

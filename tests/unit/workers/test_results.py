@@ -7,7 +7,14 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from producer.contract import GenerationResult, PhaseTimings, ResultStatus, ReusePlan, build_request
+from producer.contract import (
+    GenerationResult,
+    PhaseTimings,
+    ResultStatus,
+    ReuseKind,
+    ReusePlan,
+    build_request,
+)
 from producer.orders import DonorRef, Role, WorkOrder, trajectory_prefix
 from workers.results import FailureCode, PhaseClock, done_result, failed_result, queue_seconds, salvage_ids
 
@@ -105,3 +112,31 @@ def test_queue_seconds_is_measured_from_acceptance() -> None:
     accepted = datetime(2026, 1, 1, tzinfo=UTC)
     assert queue_seconds(accepted, accepted + timedelta(seconds=2.5)) == 2.5
     assert queue_seconds(accepted, accepted - timedelta(seconds=1)) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("steps_computed", "fraction", "donor_seed", "kind", "honoured", "hit"),
+    [
+        (4, 0.61, 0, ReuseKind.STAGE1, True, True),  # steps skipped from a donor of the same seed (0)
+        (4, 0.61, 5, ReuseKind.STAGE1, False, True),  # ... of another seed: not the requested seed's sample
+        (4, 0.61, None, ReuseKind.STAGE1, False, True),  # donor seed unknown: not claimed as honoured
+        (6, 0.8, 5, ReuseKind.STAGE2, True, True),  # every step run, only tokens skipped
+        (6, 1.0, 5, ReuseKind.NONE, True, False),  # a planned donor that saved nothing is no hit
+    ],
+)
+def test_a_result_says_what_its_video_is(
+    steps_computed: int, fraction: float, donor_seed: int | None, kind: ReuseKind, honoured: bool, hit: bool
+) -> None:
+    result = done_result(
+        make_order(),
+        video_uri="s3://b/videos/x.mp4",
+        trajectory_uri=None,
+        trajectory_bytes=0,
+        steps_computed=steps_computed,
+        tokens_computed_fraction=fraction,
+        fallback=None,
+        timings=PhaseTimings(),
+        worker=None,
+        donor_seed=donor_seed,
+    )
+    assert (result.reuse, result.seed_honoured, result.saved_compute) == (kind, honoured, hit)
