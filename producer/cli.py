@@ -10,8 +10,9 @@ from chorus_sched import cli as sched_cli
 from producer import cli_produce
 from producer.local import demo_command
 from workers import cli as worker_cli
+from workers import generate as generate_cli
+from workers.bench import engine_cli as engine_bench
 from workers.bench import quality as quality_bench
-from workers.engine import cli as engine_cli
 from workers.toy import cli as toy_cli
 
 app = typer.Typer(
@@ -27,9 +28,9 @@ app.command("demo")(demo_command.demo)
 app.command("produce")(cli_produce.produce)
 app.command("scheduler")(sched_cli.scheduler)
 app.command("worker")(worker_cli.worker)
-app.command("generate")(engine_cli.generate)
+app.command("generate")(generate_cli.generate)
 app.command("train-toy")(toy_cli.train_toy)
-bench_app.command("engine")(engine_cli.bench_engine)
+bench_app.command("engine")(engine_bench.bench_engine)
 bench_app.command("quality")(quality_bench.bench_quality)
 app.add_typer(bench_app, name="bench")
 

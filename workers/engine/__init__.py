@@ -37,7 +37,8 @@ Modules: ``registry`` (models), ``engine`` (the loop), ``request_run`` (per-requ
 Stage 1, donor reads), ``output`` (``GenerationOutput``, ``StepStat``), ``instrumentation`` (installs the hooks and
 processors), ``srd`` (gather/scatter hooks), ``tgaa`` (attn2 processor: amplification, map recording, text K/V
 cache), ``masks``, ``tokens`` (prompt diff), ``trajectory`` (records, metadata, serialization), ``errors``,
-``bundle`` (the model interface), ``cli``.
+``bundle`` (the model interface). The commands that run it live above it: ``chorus generate`` in
+``workers/generate.py``, ``chorus bench engine`` in ``workers/bench/engine_cli.py``.
 
 Attributes are imported lazily so that ``import workers.engine`` (e.g. by the CLI) stays cheap.
 """
