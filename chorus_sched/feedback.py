@@ -22,7 +22,7 @@ from chorus_sched.index import DonorEntry, DonorIndex
 from chorus_sched.ledger import Ledger, RequestRecord
 from chorus_sched.metrics import METRICS
 from producer.contract import GenerationResult, ResultStatus, ReusePolicy
-from producer.orders import Role, trajectory_prefix
+from producer.orders import Role, WorkOrder, trajectory_prefix
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ class Feedback:
                     trajectory_prefix=trajectory_prefix(rid),
                     model=record.model,
                     num_steps=record.num_steps,
+                    seed=WorkOrder.model_validate_json(record.order).request.seed if record.order else None,
                     trajectory_uri=result.trajectory_uri,
                     video_uri=result.video_uri,
                     bytes=result.trajectory_bytes,

@@ -27,6 +27,7 @@ class Candidate:
     similarity: float
     ready: bool  # False: a leader still running
     trajectory_prefix: str
+    seed: int | None = None  # None: an entry indexed before seeds were recorded
 
 
 @dataclass(frozen=True)

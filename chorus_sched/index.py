@@ -59,6 +59,7 @@ class DonorEntry(BaseModel):
     model: str = ""
     bytes: int = Field(default=0, ge=0)
     num_steps: int = Field(default=0, ge=0)
+    seed: int | None = None
     created_at: float = Field(default_factory=time.time)
     last_hit_at: float | None = None
     hits: int = Field(default=0, ge=0)

@@ -307,6 +307,7 @@ class Intake:
                 similarity=_clamp(h.similarity),
                 ready=h.entry.ready,
                 trajectory_prefix=h.entry.trajectory_prefix,
+                seed=h.entry.seed,
             )
             for h in hits
         ]
@@ -318,6 +319,8 @@ class Intake:
         compat = request.compatibility_key
         cross = self.settings.cross_tenant_reuse
         candidates = self._candidates(vector, compat, None if cross else request.tenant)
+        if request.keep_seed:  # its video must be its own seed's sample: only donors made with that seed
+            candidates = [c for c in candidates if c.seed == request.seed]
         decision = decide(request, candidates, self.planner, grouping=self.settings.grouping)
         blocked = False
         if not cross:
@@ -365,6 +368,7 @@ class Intake:
                 status="running",
                 model=request.model,
                 num_steps=request.num_steps,
+                seed=request.seed,
                 created_at=self.clock(),
             )
             try:

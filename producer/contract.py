@@ -121,6 +121,9 @@ class GenerationRequest(_Wire):
         default=-1.0, ge=0.0, le=50.0, allow_inf_nan=False, validate_default=False
     )
     reuse: ReusePolicy = ReusePolicy.AUTO
+    # Reuse only donors made with this request's own seed, so the video is the requested seed's sample (a donor
+    # of another seed gives a valid sample for the prompt, but another one: see GenerationResult.seed_honoured).
+    keep_seed: Annotated[bool, Strict()] = False
     priority: WireInt = Field(default=0, ge=0, le=9)
     submitted_at: AwareDatetime = Field(default_factory=_utcnow)
 

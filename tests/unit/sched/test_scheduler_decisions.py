@@ -558,3 +558,13 @@ def test_requests_waiting_for_a_run_that_failed_are_run_in_full(ports: Ports) ->
     assert [o.request.request_id for o in ports.dispatcher.orders] == ["runner", "twin"]
     assert ports.dispatcher.orders[-1].plan == ReusePlan.full(4) and results_on(ports) == []
     assert ports.ledger.state("twin") == "dispatched"
+
+
+def test_a_request_that_keeps_its_seed_takes_no_donor_of_another_seed(ports: Ports) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="donor", seed=1).to_bytes(), 0)])
+    ports.scheduler.handle_results([Msg(done("donor").to_bytes(), 0, topic="results")])
+    ports.scheduler.handle_requests([Msg(request(request_id="mine", seed=2, keep_seed=True).to_bytes(), 1)])
+    ports.scheduler.handle_requests([Msg(request(request_id="any", seed=3).to_bytes(), 2)])
+    mine, anyone = ports.dispatcher.orders[1:]
+    assert mine.donor is None and mine.plan == ReusePlan.full(4)
+    assert anyone.donor is not None and anyone.donor.request_id == "donor" and anyone.plan.reuses
