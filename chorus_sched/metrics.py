@@ -124,12 +124,16 @@ class SchedulerMetrics:
             ["kind"],
             registry=registry,
         )
+        for kind in ("stored", "coalesced"):
+            self.exact_hits.labels(kind=kind)
         self.redispatched = Counter(
             "chorus_orders_lost",
             "Orders whose worker vanished, by what the watchdog did: sent again, or answered failed.",
             ["outcome"],
             registry=registry,
         )
+        for outcome in ("sent_again", "failed"):
+            self.redispatched.labels(outcome=outcome)
         self.index_unavailable = Counter(
             "chorus_index_unavailable",
             "Requests scheduled without reuse (full compute) because the donor index could not be used.",

@@ -110,12 +110,17 @@ def test_reuse_label_matches_what_the_scheduler_counts_as_a_hit(
 ) -> None:
     _, registry = fresh
     with_donor, no_donor = order(), order(donor=False)
-    wm.observe_result(result_for(with_donor, fallback="donor step unavailable"), with_donor)
+    # A hit saves compute (GenerationResult.saved_compute): a planned donor that ended computing every token is
+    # not one, fallback or not; one that still saved some token-steps despite a fallback is.
+    wm.observe_result(result_for(with_donor, fallback="donor step unavailable", tcf=1.0), with_donor)
+    wm.observe_result(result_for(with_donor, tcf=1.0), with_donor)
     wm.observe_result(result_for(no_donor, tcf=1.0), no_donor)
     base = {"model": MODEL, "role": "solo", "status": "done"}
-    assert sample(registry, "chorus_worker_requests_total", **base, reuse="fallback") == 1
+    assert sample(registry, "chorus_worker_requests_total", **base, reuse="fallback") == 2
     assert sample(registry, "chorus_worker_requests_total", **base, reuse="none") == 1
     assert sample(registry, "chorus_worker_requests_total", **base, reuse="donor") == 0
+    wm.observe_result(result_for(with_donor, fallback="donor step unavailable", tcf=0.5), with_donor)
+    assert sample(registry, "chorus_worker_requests_total", **base, reuse="donor") == 1
 
 
 def test_a_failed_result_counts_its_code_and_no_steps(
