@@ -13,6 +13,7 @@ from workers import cli as worker_cli
 from workers import generate as generate_cli
 from workers.bench import engine_cli as engine_bench
 from workers.bench import quality as quality_bench
+from workers.bench.faults import cli as faults_bench
 from workers.toy import cli as toy_cli
 
 app = typer.Typer(
@@ -22,7 +23,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
-bench_app = typer.Typer(help="Benchmarks that print JSON (speed, quality).", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks that print JSON (speed, quality, faults).", no_args_is_help=True)
 
 app.command("demo")(demo_command.demo)
 app.command("produce")(cli_produce.produce)
@@ -32,6 +33,7 @@ app.command("generate")(generate_cli.generate)
 app.command("train-toy")(toy_cli.train_toy)
 bench_app.command("engine")(engine_bench.bench_engine)
 bench_app.command("quality")(quality_bench.bench_quality)
+bench_app.command("faults")(faults_bench.bench_faults)
 app.add_typer(bench_app, name="bench")
 
 

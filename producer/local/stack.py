@@ -318,6 +318,54 @@ class EmbeddedStack:
                 raise StackError(f"the schedulers did not catch up within {timeout_s:.0f} s: {progress}")
             time.sleep(0.25)
 
+    # --- faults (``chorus bench faults``) ------------------------------------------------------------------
+
+    def restart(self, name: str, *, wait: bool = True) -> ServiceProcess:
+        """Start process ``name`` (``scheduler-0``, ``worker-0``, …) again with its command, port and environment,
+        killing whatever is left of its process group first; with ``wait``, return once it is ready."""
+        old = next((p for p in self.processes if p.name == name), None)
+        if old is None:
+            raise StackError(f"the stack has no process {name!r}")
+        kill_group(old)
+        position = self.processes.index(old)
+        self.processes.remove(old)
+        self._spawn(
+            name,
+            old.role,
+            old.argv,
+            old.metrics_port,
+            {"CHORUS_INSTANCE_ID": name} if old.role == "scheduler" else {},
+        )
+        self.processes.insert(position, new := self.processes.pop())
+        if wait:
+            group = self.schedulers if new.role == "scheduler" else [new]
+
+            def check() -> None:  # only the restarted process: another may be down on purpose (a fault)
+                if not new.alive():
+                    raise StackError(f"{name} exited with status {new.process.returncode}:\n{new.log_tail()}")
+
+            wait_ready(group, self.options, self.producer_settings, check)
+        return new
+
+    def stop_s3(self) -> None:
+        """Stop the S3 stand-in (it writes its snapshot); ``start_s3`` serves the objects again at its address."""
+        if self.s3 is None:
+            raise StackError("the stack is not running")
+        self.s3.stop()
+
+    def start_s3(self) -> None:
+        """Start the S3 stand-in stopped by ``stop_s3`` (or killed) again on its port, from its snapshot."""
+        if self.s3 is not None and self.s3.process.poll() is not None:
+            host, port = self.s3.address.rsplit(":", 1)
+            self.s3 = start_service(
+                "s3",
+                host=host,
+                port=int(port),
+                persist_dir=self.s3.persist_dir,
+                log_path=self.s3.log_path,
+                ready_timeout=120.0,
+            )
+
     # --- internals -------------------------------------------------------------------------------------------
 
     def _create_topics(self) -> None:
