@@ -27,13 +27,30 @@ def client_config(settings: KafkaSettings) -> dict[str, Any]:
         "security_protocol": settings.kafka_security_protocol,
     }
     if settings.kafka_api_version_tuple is not None:
-        config["api_version"] = settings.kafka_api_version_tuple
+        config["api_version"] = known_api_version(settings.kafka_api_version_tuple)
     if settings.kafka_sasl_mechanism:
         config["sasl_mechanism"] = settings.kafka_sasl_mechanism
         config["sasl_plain_username"] = settings.kafka_sasl_username
         if settings.kafka_sasl_password is not None:
             config["sasl_plain_password"] = settings.kafka_sasl_password.get_secret_value()
     return config
+
+
+def known_api_version(version: tuple[int, ...]) -> tuple[int, ...]:
+    """``version`` as kafka-python's table of broker versions spells it: (2, 1, 0) is its (2, 1).
+
+    kafka-python looks a configured version up as given; (2, 1, 0) is not in its table, and every client would
+    log "Configured broker_version (2, 1, 0) not supported; using (2, 1)". Trailing zeros are dropped until
+    the version is one it knows (or kept as given, for kafka-python to decide).
+    """
+    try:
+        from kafka.protocol.broker_version_data import BROKER_API_VERSIONS
+    except ImportError:  # another kafka-python layout: leave the version to it
+        return version
+    candidate = version
+    while candidate not in BROKER_API_VERSIONS and len(candidate) > 2 and candidate[-1] == 0:
+        candidate = candidate[:-1]
+    return candidate if candidate in BROKER_API_VERSIONS else version
 
 
 def make_producer(settings: KafkaSettings, **overrides: Any) -> KafkaProducer:

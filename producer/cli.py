@@ -7,7 +7,7 @@ from __future__ import annotations
 import typer
 
 from chorus_sched import cli as sched_cli
-from producer import cli_produce
+from producer import cli_produce, cli_root
 from producer.local import demo_command
 from workers import cli as worker_cli
 from workers import generate as generate_cli
@@ -22,6 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    callback=cli_root.root,
 )
 bench_app = typer.Typer(help="Benchmarks that print JSON (speed, quality, faults).", no_args_is_help=True)
 

@@ -60,16 +60,25 @@ def produce(
     bootstrap: str | None = typer.Option(
         None, help="Kafka bootstrap servers (default CHORUS_KAFKA_BOOTSTRAP)."
     ),
+    env_file: Path | None = typer.Option(
+        None,
+        "--env-file",
+        help="Read CHORUS_* settings from this file (e.g. .chorus/stack.env of `chorus demo --keep-running`).",
+    ),
 ) -> None:
     """Publish generation requests to the requests topic (and with --wait, print their results)."""
     from producer.sdk import BatchInvalid, ChorusClient, PublishError, parse_jsonl, request_from_options
-    from producer.settings import ProducerSettings
+    from producer.settings import EnvFileMissing, ProducerSettings, use_env_file
 
     # Not a terminal (a pipe, a script): wide lines instead of a table folded to 80 columns.
     out = Console() if sys.stdout.isatty() else Console(width=200)
     err = Console(stderr=True)
     overrides: dict[str, Any] = {"kafka_bootstrap": bootstrap} if bootstrap else {}
-    settings = ProducerSettings(**overrides)
+    use_env_file(env_file)
+    try:
+        settings = ProducerSettings(**overrides)
+    except EnvFileMissing as exc:
+        _fail(err, str(exc))
     # Only warnings, on stderr: stdout carries the output (``--json``).
     configure_logging("WARNING", settings.log_format)
 

@@ -3,18 +3,54 @@
 Field groups shared by several services are mixins here so every service spells an address the same way;
 defaults point at the embedded setup that ``chorus demo`` starts, so nothing needs configuring locally.
 Credentials have no defaults in code: they come from the environment (or the demo generates them).
+
+Besides the environment, every settings object reads the env file that ``CHORUS_ENV_FILE`` names (``chorus
+--env-file``), e.g. the ``.chorus/stack.env`` that ``chorus demo --keep-running`` writes; variables set in the
+environment win over the file's.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _API_VERSION = re.compile(r"^(auto|\d+(\.\d+){1,2})$")
+
+ENV_FILE_VARIABLE = "CHORUS_ENV_FILE"
+
+
+class EnvFileMissing(FileNotFoundError):
+    """The env file named by ``CHORUS_ENV_FILE`` (or ``--env-file``) does not exist."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        super().__init__(
+            f"the env file {path} does not exist ({ENV_FILE_VARIABLE} / --env-file); the demo stack writes "
+            "its .chorus/stack.env while `chorus demo --keep-running` runs and removes it when the stack stops"
+        )
+
+
+def use_env_file(path: Path | None) -> None:
+    """Make every settings object of this process (and of the processes it starts) read ``path``
+    (``CHORUS_ENV_FILE``); a missing file is an error when the settings are made (``EnvFileMissing``)."""
+    if path is not None:
+        os.environ[ENV_FILE_VARIABLE] = str(path)
+
+
+def env_file() -> Path | None:
+    """The env file ``CHORUS_ENV_FILE`` names, if any; ``EnvFileMissing`` if it names no file."""
+    value = os.environ.get(ENV_FILE_VARIABLE, "").strip()
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_file():
+        raise EnvFileMissing(path)
+    return path
 
 
 class ChorusSettings(BaseSettings):
@@ -23,6 +59,13 @@ class ChorusSettings(BaseSettings):
     state_dir: Path = Field(default=Path(".chorus"), description="local state of the embedded setup")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["console", "json"] = "console"
+
+    def __init__(self, **values: Any) -> None:
+        # The env file is looked up when settings are made (not when the class is defined), so a command's
+        # --env-file option applies.
+        if "_env_file" not in values:
+            values["_env_file"] = env_file()
+        super().__init__(**values)
 
 
 class KafkaSettings(ChorusSettings):

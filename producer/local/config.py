@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from producer.catalog import CATALOG
 from producer.local.processes import free_port
 
-# The mock cluster speaks ApiVersions ≤ v2; kafka-python must be told the version (see producer/settings.py).
-MOCK_KAFKA_API_VERSION = "2.1.0"
+# The mock cluster speaks ApiVersions ≤ v2; kafka-python must be told the version (see producer/settings.py),
+# spelled as kafka-python's table does (2.1, not 2.1.0: see producer.bus.known_api_version).
+MOCK_KAFKA_API_VERSION = "2.1"
 
 
 class StackError(RuntimeError):

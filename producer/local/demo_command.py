@@ -27,6 +27,8 @@ import contextlib
 import json
 import logging
 import os
+import shlex
+import shutil
 import signal
 import sys
 import time
@@ -345,6 +347,29 @@ def _summary(
 
 
 def _keep_running(console: Console, stack: EmbeddedStack) -> None:
+    """Write the stack's env file, say how to use it, and wait for Ctrl-C; the file goes when the stack stops."""
+    env_file = write_env_file(stack)
+    shown = escape(shell_path(env_file))
+    try:
+        console.print(
+            "[bold]the stack keeps running[/] (Ctrl-C stops it). Talk to it from another shell:\n"
+            f"  {escape(chorus_for_shell())} produce --env-file {shown} "
+            "--prompt 'a red circle moving left on a white background' "
+            f"--model {escape(stack.options.models[0])} --wait\n"
+            f"(or export its variables first: set -a; . {shown}; set +a)"
+        )
+        try:
+            while True:
+                stack.check()
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            console.print("stopping…")
+    finally:
+        env_file.unlink(missing_ok=True)  # a stopped stack leaves no env file pointing at nothing
+
+
+def write_env_file(stack: EmbeddedStack) -> Path:
+    """``<state dir>/stack.env``: the stack's ``CHORUS_*`` client settings, for ``--env-file`` or ``set -a; .``."""
     env_file = stack.state_dir / "stack.env"
     keys = sorted(
         k
@@ -353,15 +378,29 @@ def _keep_running(console: Console, stack: EmbeddedStack) -> None:
     )
     env_file.write_text("".join(f"{k}={json.dumps(stack.env[k])}\n" for k in keys))
     env_file.chmod(0o600)
-    console.print(
-        "[bold]the stack keeps running[/] (Ctrl-C stops it). Talk to it from another shell:\n"
-        f"  set -a; . {escape(str(env_file))}; set +a\n"
-        "  chorus produce --prompt 'a red circle moving left on a white background' "
-        f"--model {escape(stack.options.models[0])} --wait"
-    )
+    return env_file
+
+
+def shell_path(path: Path) -> str:
+    """``path`` as typed in a shell here: relative to the working directory when below it."""
+    absolute = path.absolute()
     try:
-        while True:
-            stack.check()
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        console.print("stopping…")
+        text = str(absolute.relative_to(Path.cwd()))
+    except ValueError:
+        text = str(absolute)
+    return shlex.quote(text)
+
+
+def chorus_for_shell() -> str:
+    """How to type the ``chorus`` command of this environment: ``chorus`` when that is on PATH and is this one,
+    else its path (``.venv/bin/chorus``), else the interpreter running it."""
+    from producer.local.processes import chorus_command
+
+    argv = chorus_command()
+    if len(argv) > 1:
+        return " ".join(shlex.quote(a) for a in argv)
+    script = Path(argv[0])
+    found = shutil.which("chorus")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "chorus"
+    return shell_path(script)

@@ -16,7 +16,8 @@ workers       ``workers.*`` (Celery app and tasks, runner, store, donors, result
               ``chorus generate``): the kernel, the engine and the workers. Never the scheduler, nor it them.
 top           benchmarks ``workers.bench.*``, the local stack ``producer.local.*``, toy training and evaluation
               ``workers.toy.*``, the Grafana dashboard builder (``infra/grafana``): any layer but the CLI root.
-root          ``producer.cli``, the CLI root: wires the commands of every layer. Nothing imports it.
+root          ``producer.cli``, the CLI root: wires the commands of every layer, and ``producer.cli_root``, its
+              global options. Nothing imports them.
 ============  ===================================================================================================
 
 Cycles are looked for among the imports that run (a ``TYPE_CHECKING`` import never does, so a type-only back
@@ -68,7 +69,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "chorus_dashboards.*",
         "build_dashboards",
     ),
-    "root": ("producer.cli",),
+    "root": ("producer.cli", "producer.cli_root"),
 }
 ALLOWED: dict[str, frozenset[str]] = {
     "kernel": frozenset({"kernel"}),

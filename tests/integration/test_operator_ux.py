@@ -1,0 +1,44 @@
+"""What an operator meets first (issue 19), against real services: ``chorus produce`` with the stack's env file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from producer.settings import KafkaSettings
+
+pytestmark = pytest.mark.integration
+
+CHORUS = str(Path(sys.executable).with_name("chorus"))
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("CHORUS_")}
+
+
+def test_produce_reads_an_env_file_and_logs_no_api_version_warning(
+    kafka_settings: KafkaSettings, tmp_path: Path
+) -> None:
+    # The fixture's version is spelled 2.1.0, as stack.env used to: kafka-python warned about it on every client.
+    assert kafka_settings.kafka_api_version == "2.1.0"
+    env_file = tmp_path / "stack.env"
+    env_file.write_text(
+        f"CHORUS_KAFKA_BOOTSTRAP={json.dumps(kafka_settings.kafka_bootstrap)}\n"
+        f"CHORUS_KAFKA_API_VERSION={json.dumps(kafka_settings.kafka_api_version)}\n"
+        f"CHORUS_KAFKA_REQUESTS_TOPIC={json.dumps(kafka_settings.kafka_requests_topic)}\n"
+    )
+    sent = subprocess.run(
+        [CHORUS, "produce", "--env-file", str(env_file), "--prompt", "a red circle", "--request-id", "env-1"],
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sent.returncode == 0, sent.stderr
+    assert "sent env-1" in sent.stdout
+    assert "not supported" not in sent.stderr and "ambiguous" not in sent.stderr, sent.stderr
