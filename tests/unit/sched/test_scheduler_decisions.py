@@ -286,6 +286,7 @@ def done(rid: str, *, nbytes: int = 1000, **fields: Any) -> GenerationResult:
         trajectory_bytes=nbytes,
         steps_requested=4,
         steps_computed=fields.pop("steps_computed", 4),
+        tokens_computed_fraction=fields.pop("tokens_computed_fraction", 1.0),  # in full unless said otherwise
         **fields,
     )
 
