@@ -124,7 +124,7 @@ class ExactHits:
             tenant=request.tenant,
             status=ResultStatus.DONE,
             video_uri=source.video_uri,
-            donor=DonorInfo(request_id=source.job_id, similarity=1.0),
+            donor=DonorInfo(request_id=source.request_id, tenant=source.tenant, similarity=1.0),
             plan=ReusePlan(stage1_steps=request.num_steps, stage2_steps=0, stage3_steps=0),
             steps_computed=0,
             steps_requested=request.num_steps,

@@ -86,7 +86,7 @@ class Feedback:
         if record is None:
             log.debug(
                 "result of a request this deployment did not dispatch (or has forgotten)",
-                extra={"request_id": rid},
+                extra={"request_id": result.request_id, "job": rid},
             )
             return
         self.stats.results += 1
@@ -98,10 +98,14 @@ class Feedback:
             if state != "evicted":
                 self.ledger.set_state(rid, "done")
             if record.reuse == str(ReusePolicy.OFF):
-                log.info("result not indexed: the request opted out of reuse", extra={"request_id": rid})
+                log.info(
+                    "result not indexed: the request opted out of reuse",
+                    extra={"request_id": result.request_id, "job": rid},
+                )
             elif state == "evicted":
                 log.info(
-                    "result not indexed: the entry was evicted before it finished", extra={"request_id": rid}
+                    "result not indexed: the entry was evicted before it finished",
+                    extra={"request_id": result.request_id, "job": rid},
                 )
             elif result.trajectory_uri:
                 self._index_donor(record, result)
@@ -118,7 +122,8 @@ class Feedback:
             log.info(
                 "request did not finish",
                 extra={
-                    "request_id": rid,
+                    "request_id": result.request_id,
+                    "job": rid,
                     "status": str(result.status),
                     "error": result.error.code if result.error else None,
                 },
@@ -135,7 +140,7 @@ class Feedback:
         if not (key.rstrip("/") + "/").startswith(trajectory_prefix(rid)):
             log.warning(
                 "trajectory is outside the agreed layout; eviction by prefix would miss it",
-                extra={"request_id": rid, "trajectory_uri": result.trajectory_uri},
+                extra={"request_id": result.request_id, "job": rid, "trajectory_uri": result.trajectory_uri},
             )
         fields = {
             "status": "ready",
@@ -169,7 +174,8 @@ class Feedback:
         log.info(
             "donor indexed",
             extra={
-                "request_id": rid,
+                "request_id": result.request_id,
+                "job": rid,
                 "bytes": result.trajectory_bytes,
                 "was_leader": updated is not None,
                 "compat_key": record.compat_key,
@@ -182,7 +188,7 @@ class Feedback:
         the eviction order delete whatever of it is left in the store."""
         if not result.donor_gone or result.donor is None:
             return
-        donor_id = result.donor.request_id
+        donor_id = result.donor.job_id
         entry = self.index.get(donor_id)
         if entry is None or not entry.ready:
             return
@@ -195,7 +201,7 @@ class Feedback:
     def _count_hit(self, result: GenerationResult) -> None:
         if result.donor is None:
             return
-        donor_id = result.donor.request_id
+        donor_id = result.donor.job_id
         if not result.saved_compute:  # the one definition of a hit: fewer token-steps than in full
             log.info(
                 "planned donor saved nothing",

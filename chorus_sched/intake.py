@@ -409,7 +409,8 @@ class Intake:
         log.info(
             "request dispatched",
             extra={
-                "request_id": rid,
+                "request_id": request.request_id,
+                "job": rid,
                 "tenant": request.tenant,
                 "model": request.model,
                 "role": str(decision.role),
@@ -452,7 +453,7 @@ class Intake:
                 if attempt == 2:
                     log.error(
                         "order sent but its dispatch could not be recorded; its result will not be indexed",
-                        extra={"request_id": rid, "error": repr(exc)},
+                        extra={"request_id": request.request_id, "job": rid, "error": repr(exc)},
                     )
                 time.sleep(0.1 * (attempt + 1))
 

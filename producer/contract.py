@@ -63,6 +63,12 @@ def job_id(tenant: str, request_id: str) -> str:
     return request_id if tenant == DEFAULT_TENANT else f"{tenant}{JOB_SEPARATOR}{request_id}"
 
 
+def split_job_id(job: str) -> tuple[str, str]:
+    """(tenant, request id) of a job id (the inverse of ``job_id``)."""
+    tenant, sep, request_id = job.partition(JOB_SEPARATOR)
+    return (tenant, request_id) if sep else (DEFAULT_TENANT, job)
+
+
 def _new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -265,8 +271,21 @@ class ErrorInfo(_Wire):
 
 
 class DonorInfo(_Wire):
+    """The request whose work was reused: its tenant's own request id (another tenant's only where cross-tenant
+    reuse is allowed)."""
+
     request_id: str
+    tenant: str = DEFAULT_TENANT
     similarity: float = Field(ge=-1.0, le=1.0)
+
+    @classmethod
+    def of_job(cls, job: str, similarity: float) -> DonorInfo:
+        tenant, request_id = split_job_id(job)
+        return cls(request_id=request_id, tenant=tenant, similarity=similarity)
+
+    @property
+    def job_id(self) -> str:
+        return job_id(self.tenant, self.request_id)
 
 
 class PhaseTimings(_Wire):

@@ -167,7 +167,8 @@ def _reuse_kind(order: WorkOrder, steps_computed: int, tokens_computed_fraction:
 def _donor_info(order: WorkOrder) -> DonorInfo | None:
     if order.donor is None:
         return None
-    return DonorInfo(request_id=order.donor.request_id, similarity=order.donor.similarity)
+    # The order names its donor by job id; the result by the donor's tenant and request id.
+    return DonorInfo.of_job(order.donor.request_id, order.donor.similarity)
 
 
 def salvage_ids(raw: str | bytes) -> tuple[str | None, str]:

@@ -12,16 +12,19 @@ from producer.catalog import CATALOG, IntRule
 from producer.contract import (
     ContractError,
     DeadLetter,
+    DonorInfo,
     ErrorInfo,
     GenerationRequest,
     GenerationResult,
     ResultStatus,
     ReusePlan,
     build_request,
+    job_id,
     parse_keyed_request,
     parse_request,
     salvage_identity,
     salvage_json,
+    split_job_id,
 )
 
 json_values = st.recursive(
@@ -285,3 +288,14 @@ def test_request_is_immutable() -> None:
     with pytest.raises(ValueError):
         request.prompt = "y"  # type: ignore[misc]
     assert isinstance(request, GenerationRequest)
+
+
+@given(
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,20}", fullmatch=True),
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,20}", fullmatch=True),
+)
+def test_a_job_id_names_one_tenant_and_request_and_splits_back(tenant: str, request_id: str) -> None:
+    job = job_id(tenant, request_id)
+    assert split_job_id(job) == (tenant, request_id)
+    assert (job == request_id) == (tenant == "default")
+    assert DonorInfo.of_job(job, 0.5).job_id == job
