@@ -26,8 +26,9 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field
 from qdrant_client import QdrantClient
@@ -38,7 +39,14 @@ log = logging.getLogger(__name__)
 _POINT_NAMESPACE = uuid.UUID("6f1c1d0e-5b1e-4c8e-9a57-2f1f4b1b2c3d")
 LOCK_FILE = ".chorus-index.lock"
 
-DonorStatus = Literal["running", "ready"]
+
+class DonorStatus(StrEnum):
+    """An index entry's status (stored as these strings in the payload)."""
+
+    RUNNING = (
+        "running"  # a group leader still being computed (followers may take its steps as they are uploaded)
+    )
+    READY = "ready"  # a finished request whose trajectory is stored
 
 
 class IndexUnavailable(RuntimeError):
@@ -51,9 +59,7 @@ class DonorEntry(BaseModel):
     compat_key: str
     prompt: str
     trajectory_prefix: str = Field(description="S3 key prefix of the trajectory objects")
-    # "running": a group leader still being computed (followers may take its steps as they are uploaded);
-    # "ready": a finished request whose trajectory is stored.
-    status: DonorStatus = "ready"
+    status: DonorStatus = DonorStatus.READY
     trajectory_uri: str | None = None
     video_uri: str | None = None
     model: str = ""
@@ -67,7 +73,7 @@ class DonorEntry(BaseModel):
 
     @property
     def ready(self) -> bool:
-        return self.status == "ready"
+        return self.status == DonorStatus.READY
 
 
 class DonorHit(BaseModel):
@@ -111,10 +117,17 @@ class DonorIndex:
 
     @classmethod
     def connect(
-        cls, *, url: str = "", path: str | Path = "", api_key: str | None = None, collection: str, dim: int
+        cls,
+        *,
+        url: str = "",
+        path: str | Path = "",
+        api_key: str | None = None,
+        collection: str,
+        dim: int,
+        lock_wait_s: float = 10.0,
     ) -> DonorIndex:
         """A server at ``url`` if given, else Qdrant local mode at ``path`` (``:memory:`` for none)."""
-        index = cls(collection, dim, url=url, path=path, api_key=api_key)
+        index = cls(collection, dim, url=url, path=path, api_key=api_key, lock_wait_s=lock_wait_s)
         index.ensure_collection()
         return index
 
@@ -201,7 +214,9 @@ class DonorIndex:
                 self.collection,
                 points=[
                     qm.PointStruct(
-                        id=point_id(entry.request_id), vector=list(vector), payload=entry.model_dump()
+                        id=point_id(entry.request_id),
+                        vector=list(vector),
+                        payload=entry.model_dump(mode="json"),
                     )
                 ],
                 wait=True,
@@ -224,7 +239,7 @@ class DonorIndex:
         if tenant is not None:
             must.append(qm.FieldCondition(key="tenant", match=qm.MatchValue(value=tenant)))
         if status is not None:
-            must.append(qm.FieldCondition(key="status", match=qm.MatchValue(value=status)))
+            must.append(qm.FieldCondition(key="status", match=qm.MatchValue(value=str(status))))
         with self.hold() as client:
             response = client.query_points(
                 self.collection,
@@ -247,7 +262,10 @@ class DonorIndex:
         """Overwrite an existing entry's payload without touching its vector."""
         with self.hold() as client:
             client.overwrite_payload(
-                self.collection, payload=entry.model_dump(), points=[point_id(entry.request_id)], wait=True
+                self.collection,
+                payload=entry.model_dump(mode="json"),
+                points=[point_id(entry.request_id)],
+                wait=True,
             )
 
     def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> DonorEntry | None:

@@ -154,6 +154,7 @@ def build_scheduler(
         api_key=settings.qdrant_api_key,
         collection=settings.qdrant_collection,
         dim=dim,
+        lock_wait_s=settings.index_lock_wait_s,
     )
     ledger = open_ledger(
         settings.redis_url,

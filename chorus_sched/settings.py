@@ -59,6 +59,9 @@ class SchedulerSettings(KafkaSettings):
     # Qdrant server URL; empty means Qdrant local mode at qdrant_path (default: state_dir/qdrant).
     qdrant_url: str = ""
     qdrant_path: str = ""
+    # Local mode: how long to wait for another process' hold on the index folder before scheduling without it
+    # (full compute). Instances hold it for milliseconds; a longer hold is a stuck or foreign process.
+    index_lock_wait_s: float = Field(default=3.0, gt=0, le=600)
     qdrant_api_key: str | None = None
     qdrant_collection: str = "chorus_donors"
     metrics_port: int = Field(default=9101, ge=0, le=65535)

@@ -31,6 +31,7 @@ from workers.store import StoreError, store_for
 log = logging.getLogger(__name__)
 
 _ATTEMPTS_SUFFIX = ".attempts"
+_ANSWERED_SUFFIX = ".answered"
 
 
 def settings_of(app: Celery) -> WorkerSettings:
@@ -66,6 +67,11 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
     from workers.runner import runner_for
 
     settings = settings_of(self.app)
+    if was_answered(self):
+        # A second copy of an order that already has its result: the broker requeued it after its pool process
+        # died while the scheduler's watchdog sent it again. Running it would publish a second result.
+        log.info("order already answered; this delivery is skipped", extra={"task_id": self.request.id})
+        return {"task_id": self.request.id, "skipped": "already answered"}
     attempt = count_attempt(self)
     state: dict[str, Any] = {}
     lock = threading.Lock()
@@ -87,6 +93,7 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
         result = runner_for(settings).handle(
             order_json, worker=self.request.hostname, attempt=attempt, progress=progress
         )
+    mark_answered(self)
     return {
         "request_id": result.request_id,
         "status": str(result.status),
@@ -160,7 +167,31 @@ def count_attempt(task: Task) -> int:
 
 def attempts_key(task: Task) -> Any:
     """The backend key of a task's delivery counter (``None`` for a backend without plain keys)."""
+    return _backend_key(task, _ATTEMPTS_SUFFIX)
+
+
+def was_answered(task: Task) -> bool:
+    """Whether a delivery of this task already published its result (best-effort: False when unknown)."""
+    key = _backend_key(task, _ANSWERED_SUFFIX)
+    try:
+        return key is not None and task.backend.get(key) is not None
+    except Exception as exc:
+        log.warning("could not read whether the order was answered", extra={"error": repr(exc)})
+        return False
+
+
+def mark_answered(task: Task) -> None:
+    key = _backend_key(task, _ANSWERED_SUFFIX)
+    try:
+        if key is not None:
+            task.backend.set(key, b"1")
+    except Exception as exc:  # a later duplicate delivery would then run again: a second result, nothing lost
+        log.warning("could not mark the order answered", extra={"error": repr(exc)})
+
+
+def _backend_key(task: Task, suffix: str) -> Any:
+    """A key beside the task's result in the backend (``None`` for a backend without plain keys)."""
     backend = task.backend
     if not all(callable(getattr(backend, name, None)) for name in ("get", "set", "get_key_for_task")):
         return None
-    return backend.get_key_for_task(task.request.id, key=_ATTEMPTS_SUFFIX)
+    return backend.get_key_for_task(task.request.id, key=suffix)

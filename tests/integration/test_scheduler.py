@@ -13,8 +13,9 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -272,20 +273,34 @@ def test_hostile_messages_are_dead_lettered_and_the_requests_behind_them_run(har
     assert all(r.status is ResultStatus.REJECTED for r in rejected.values())
 
 
+@pytest.mark.parametrize("holder", ["qdrant-client", "chorus-index-lock"])
 def test_with_the_index_held_by_another_client_requests_are_computed_in_full_not_rejected(
-    harness: Harness,
+    harness: Harness, holder: str
 ) -> None:
+    import fcntl
+    import os
+
     from qdrant_client import QdrantClient
 
-    # Another Qdrant client has the local-mode folder open (its own lock): the index cannot be opened.
-    intruder = QdrantClient(path=harness.settings.resolved_qdrant_path)
+    from chorus_sched.index import LOCK_FILE
+
+    path = harness.settings.resolved_qdrant_path
+    release: Callable[[], None]
+    if holder == "qdrant-client":  # another Qdrant client has the local-mode folder open (its own lock)
+        intruder = QdrantClient(path=path)
+        release = intruder.close
+    else:  # a stuck process holds the lock Chorus' own instances share the folder by
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        release = partial(os.close, fd)
+
     try:
         auto = request(request_id="while-down", seed=1)
         off = request(OTHER, request_id="off-while-down", reuse="off")
         harness.publish(auto, off)
         harness.wait_handled()
     finally:
-        intruder.close()
+        release()
     tasks = harness.generate_tasks()
     assert sorted(tasks) == ["off-while-down", "while-down"]
     assert all(t.order.plan == ReusePlan.full(4) and t.order.donor is None for t in tasks.values())

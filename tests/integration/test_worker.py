@@ -344,6 +344,42 @@ def test_an_order_delivered_too_often_is_answered_failed(
     assert summary["attempt"] == wsettings.task_max_attempts + 1
 
 
+def test_a_second_copy_of_an_answered_order_is_skipped_not_run_again(
+    worker: Celery,
+    client: Celery,
+    results: ResultWatcher,
+    wsettings: WorkerSettings,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The broker requeued an order whose pool process died, and the scheduler's watchdog sent it again: two
+    # deliveries of one task id. The first publishes the result; the second must not publish another.
+    import time
+
+    from producer import bus
+
+    order = order_for(request_like("an order sent twice"))
+    first, _ = run(client, results, order)
+    assert first.status is ResultStatus.DONE
+    caplog.set_level(logging.INFO, logger="workers.tasks")
+    send_generate(client, order)
+    deadline = time.monotonic() + 60
+    # The worker runs in this process: its log says when it saw (and skipped) the second delivery. (Celery does
+    # not overwrite a task's stored SUCCESS, so the backend cannot tell.)
+    while not any(
+        r.getMessage() == "order already answered; this delivery is skipped" for r in caplog.records
+    ):
+        assert time.monotonic() < deadline, "the second delivery was not skipped"
+        time.sleep(0.2)
+    consumer = bus.make_consumer(wsettings, [wsettings.kafka_results_topic], group_id=None)
+    published = [
+        r
+        for r in bus.poll_records(consumer, timeout_s=5)
+        if GenerationResult.model_validate_json(r.value).request_id == order.request.request_id
+    ]
+    consumer.close()
+    assert len(published) == 1
+
+
 def test_gif_videos_are_stored_as_gif(
     wsettings: WorkerSettings, results: ResultWatcher, store: ObjectStore
 ) -> None:
