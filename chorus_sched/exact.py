@@ -20,7 +20,7 @@ from collections.abc import Callable
 from enum import StrEnum
 
 from chorus_sched.batch import Publisher
-from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
 from chorus_sched.settings import SchedulerSettings
 from producer.contract import (
@@ -78,10 +78,10 @@ class ExactHits:
         if (
             running is not None
             and running != request.job_id
-            and self.ledger.state(running) in ("accepted", "dispatched")
+            and self.ledger.state(running) in (RequestState.ACCEPTED, RequestState.DISPATCHED)
         ):
             self.ledger.add_waiter(key, request.model_dump_json())
-            self.ledger.set_state(request.job_id, "coalesced")
+            self.ledger.set_state(request.job_id, RequestState.COALESCED)
             METRICS.exact_hits.labels(kind="coalesced").inc()
             log.info(
                 "identical request running; this one waits for its result",
@@ -133,7 +133,7 @@ class ExactHits:
             served_from=source.job_id,
         )
         self.publish(self.settings.kafka_results_topic, request.request_id, answer.to_bytes())
-        self.ledger.set_state(request.job_id, "done")
+        self.ledger.set_state(request.job_id, RequestState.DONE)
         METRICS.exact_hits.labels(kind=kind).inc()
         log.info(
             "exact hit: answered from an identical request's result",
@@ -151,8 +151,8 @@ class ExactHits:
                 model=request.model,
                 compat_key=request.compatibility_key,
                 num_steps=request.num_steps,
-                reuse=str(request.reuse),
-                role=str(Role.SOLO),
+                reuse=request.reuse,
+                role=Role.SOLO,
                 order=order.model_dump_json(),
                 dispatched_at=self.clock(),
             )

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from chorus_sched.batch import BatchOutcome, Message, Progress, SchedulerStats, finish, transient
 from chorus_sched.embedding import Embedder
 from chorus_sched.exact import ExactHits
-from chorus_sched.index import DonorEntry, DonorIndex
-from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.index import DonorEntry, DonorIndex, DonorStatus
+from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
 from producer.contract import GenerationResult, ResultStatus, ReusePolicy
 from producer.orders import Role, WorkOrder, trajectory_prefix
@@ -92,17 +92,17 @@ class Feedback:
         self.stats.results += 1
         METRICS.results.labels(status=str(result.status)).inc()
         state = self.ledger.state(rid)
-        leader = record.role == str(Role.LEADER)
+        leader = record.role is Role.LEADER
         self.exact.on_result(record, result)
         if result.status is ResultStatus.DONE:
-            if state != "evicted":
-                self.ledger.set_state(rid, "done")
-            if record.reuse == str(ReusePolicy.OFF):
+            if state != RequestState.EVICTED:
+                self.ledger.set_state(rid, RequestState.DONE)
+            if record.reuse is ReusePolicy.OFF:
                 log.info(
                     "result not indexed: the request opted out of reuse",
                     extra={"request_id": result.request_id, "job": rid},
                 )
-            elif state == "evicted":
+            elif state == RequestState.EVICTED:
                 log.info(
                     "result not indexed: the entry was evicted before it finished",
                     extra={"request_id": result.request_id, "job": rid},
@@ -114,8 +114,8 @@ class Feedback:
             self._count_hit(result)
             self._drop_gone_donor(result)
         else:
-            if state != "done":
-                self.ledger.set_state(rid, "failed")
+            if state != RequestState.DONE:
+                self.ledger.set_state(rid, RequestState.FAILED)
             entry = self.index.get(rid)
             if entry is not None and not entry.ready:
                 self.evict({rid: f"leader {result.status}"})
@@ -143,7 +143,7 @@ class Feedback:
                 extra={"request_id": result.request_id, "job": rid, "trajectory_uri": result.trajectory_uri},
             )
         fields = {
-            "status": "ready",
+            "status": DonorStatus.READY,
             "trajectory_uri": result.trajectory_uri,
             "video_uri": result.video_uri,
             "bytes": result.trajectory_bytes,

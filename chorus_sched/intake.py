@@ -32,8 +32,8 @@ from chorus_sched.dispatch import Dispatcher
 from chorus_sched.embedding import Embedder
 from chorus_sched.exact import ExactHits, ExactOutcome
 from chorus_sched.grouping import Candidate, Decision, blocked_gain, decide
-from chorus_sched.index import DonorEntry, DonorIndex
-from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.index import DonorEntry, DonorIndex, DonorStatus
+from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
 from chorus_sched.planner import Planner
 from chorus_sched.settings import SchedulerSettings
@@ -279,7 +279,7 @@ class Intake:
             self.dead_letters.send(m, "scheduling_failed", f"scheduling failed {attempts} times: {exc!r}", [])
             if request is not None:
                 self.ledger.set_state(
-                    request.job_id, "dead_lettered", origin=f"{m.topic}:{m.partition}:{m.offset}"
+                    request.job_id, RequestState.DEAD_LETTERED, origin=f"{m.topic}:{m.partition}:{m.offset}"
                 )
         except Exception as dl_exc:
             log.warning("could not dead-letter; will retry", extra={"error": repr(dl_exc)})
@@ -293,11 +293,19 @@ class Intake:
 
     def _candidates(self, vector: list[float], compat: str, tenant: str | None) -> list[Candidate]:
         hits = self.index.search(
-            vector, compat_key=compat, tenant=tenant, limit=self.settings.search_limit, status="ready"
+            vector,
+            compat_key=compat,
+            tenant=tenant,
+            limit=self.settings.search_limit,
+            status=DonorStatus.READY,
         )
         if self.settings.grouping:
             hits += self.index.search(
-                vector, compat_key=compat, tenant=tenant, limit=self.settings.search_limit, status="running"
+                vector,
+                compat_key=compat,
+                tenant=tenant,
+                limit=self.settings.search_limit,
+                status=DonorStatus.RUNNING,
             )
         return [
             Candidate(
@@ -365,7 +373,7 @@ class Intake:
                 compat_key=request.compatibility_key,
                 prompt=request.prompt,
                 trajectory_prefix=trajectory_prefix(rid),
-                status="running",
+                status=DonorStatus.RUNNING,
                 model=request.model,
                 num_steps=request.num_steps,
                 seed=request.seed,
@@ -434,8 +442,8 @@ class Intake:
             model=request.model,
             compat_key=request.compatibility_key,
             num_steps=request.num_steps,
-            reuse=str(request.reuse),
-            role=str(decision.role),
+            reuse=request.reuse,
+            role=decision.role,
             donor_id=donor.request_id if donor else None,
             similarity=donor.similarity if donor else None,
             planned_steps_saved=decision.steps_saved_estimate,

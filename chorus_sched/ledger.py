@@ -24,16 +24,33 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from producer.contract import ReusePolicy
+from producer.orders import Role
+
 log = logging.getLogger(__name__)
+
+
+class RequestState(StrEnum):
+    """Where a request stands in the ledger (stored as these strings)."""
+
+    ACCEPTED = "accepted"  # claimed: a lease held by one scheduler instance until its order is on the broker
+    DISPATCHED = "dispatched"  # its work order is on the broker; no result yet
+    DONE = "done"  # answered with a video (by a worker, or from an identical request's result)
+    FAILED = "failed"  # answered without a video
+    DEAD_LETTERED = "dead_lettered"  # scheduling failed too often; the message went to the dead-letter topic
+    EVICTED = "evicted"  # its donor entry was evicted before it finished
+    COALESCED = "coalesced"  # waits for an identical request in flight and is answered from its result
+
 
 ClaimOutcome = Literal["new", "retry", "resumed", "duplicate", "busy"]
 # States a request ends in without a video. A *new* message with the same id is the sender trying again, and is
 # claimed afresh; the same message read again (a redelivery) is still a duplicate.
-RETRYABLE_STATES = ("failed", "dead_lettered")
+RETRYABLE_STATES = (RequestState.FAILED, RequestState.DEAD_LETTERED)
 DEFAULT_TTL_S = 7 * 24 * 3600
 
 
@@ -49,7 +66,7 @@ class Claim:
     live lease."""
 
     outcome: ClaimOutcome
-    state: str | None = None
+    state: RequestState | None = None
     owner: str | None = None
 
     @property
@@ -66,8 +83,8 @@ class RequestRecord(BaseModel):
     model: str
     compat_key: str
     num_steps: int
-    reuse: str
-    role: str
+    reuse: ReusePolicy
+    role: Role
     donor_id: str | None = None
     similarity: float | None = None
     planned_steps_saved: float = 0.0
@@ -87,14 +104,20 @@ class Ledger(ABC):
     ttl_s: int
 
     # --- claims ----------------------------------------------------------------------------------------------
-    def claim(self, request_id: str, state: str = "accepted") -> bool:
+    def claim(self, request_id: str, state: RequestState = RequestState.ACCEPTED) -> bool:
         """True if this call claimed the id; False if it was claimed before (a duplicate). No lease."""
         claim = self.begin(request_id, owner=f"claim:{state}", lease_s=float(self.ttl_s), state=state)
         return claim.outcome == "new"
 
     @abstractmethod
     def begin(
-        self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted", origin: str = ""
+        self,
+        request_id: str,
+        *,
+        owner: str,
+        lease_s: float,
+        state: RequestState = RequestState.ACCEPTED,
+        origin: str = "",
     ) -> Claim:
         """Claim a request for scheduling, as a lease of ``lease_s`` seconds held by ``owner``.
 
@@ -103,10 +126,10 @@ class Ledger(ABC):
         """
 
     @abstractmethod
-    def state(self, request_id: str) -> str | None: ...
+    def state(self, request_id: str) -> RequestState | None: ...
 
     @abstractmethod
-    def set_state(self, request_id: str, state: str, *, origin: str | None = None) -> None:
+    def set_state(self, request_id: str, state: RequestState, *, origin: str | None = None) -> None:
         """Set the request's state (creating the entry if needed); ``origin`` also records which message it
         concerns, so that a redelivery of that message is still recognised (see ``begin``)."""
 

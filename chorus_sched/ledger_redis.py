@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from chorus_sched.ledger import DEFAULT_TTL_S, Claim, Ledger, RequestRecord
+from chorus_sched.ledger import DEFAULT_TTL_S, RETRYABLE_STATES, Claim, Ledger, RequestRecord, RequestState
 
 _BEGIN = """
 local key = KEYS[1]
@@ -21,7 +21,7 @@ if not state then
   redis.call('EXPIRE', key, ttl)
   return {'new', state0, owner}
 end
-if (state == 'failed' or state == 'dead_lettered') and origin ~= ''
+if (@RETRYABLE@) and origin ~= ''
     and origin ~= (redis.call('HGET', key, 'origin') or '') then
   redis.call('DEL', key)
   redis.call('HSET', key, 'state', state0, 'owner', owner, 'lease_until', lease_until, 'origin', origin)
@@ -29,7 +29,7 @@ if (state == 'failed' or state == 'dead_lettered') and origin ~= ''
   return {'retry', state, owner}
 end
 local holder = redis.call('HGET', key, 'owner') or ''
-if state == 'accepted' then
+if state == '@ACCEPTED@' then
   local until_ = tonumber(redis.call('HGET', key, 'lease_until') or '0')
   if holder == owner or until_ < now then
     redis.call('HSET', key, 'owner', owner, 'lease_until', lease_until)
@@ -39,7 +39,9 @@ if state == 'accepted' then
   return {'busy', state, holder}
 end
 return {'duplicate', state, holder}
-"""
+""".replace("@RETRYABLE@", " or ".join(f"state == '{state}'" for state in RETRYABLE_STATES)).replace(
+    "@ACCEPTED@", RequestState.ACCEPTED
+)
 
 _UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -65,20 +67,26 @@ class RedisLedger(Ledger):
         return f"{self.prefix}req:{request_id}"
 
     def begin(
-        self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted", origin: str = ""
+        self,
+        request_id: str,
+        *,
+        owner: str,
+        lease_s: float,
+        state: RequestState = RequestState.ACCEPTED,
+        origin: str = "",
     ) -> Claim:
         now = time.time()
         outcome, current, holder = self._begin(
             keys=[self._req(request_id)],
             args=[owner, repr(now + lease_s), repr(now), self.ttl_s, state, origin],
         )
-        return Claim(outcome=outcome, state=current, owner=holder or None)
+        return Claim(outcome=outcome, state=RequestState(current), owner=holder or None)
 
-    def state(self, request_id: str) -> str | None:
+    def state(self, request_id: str) -> RequestState | None:
         value = self.client.hget(self._req(request_id), "state")
-        return None if value is None else str(value)
+        return None if value is None else RequestState(str(value))
 
-    def set_state(self, request_id: str, state: str, *, origin: str | None = None) -> None:
+    def set_state(self, request_id: str, state: RequestState, *, origin: str | None = None) -> None:
         key = self._req(request_id)
         with self.client.pipeline() as pipe:
             pipe.hset(key, mapping={"state": state} if origin is None else {"state": state, "origin": origin})
@@ -92,7 +100,7 @@ class RedisLedger(Ledger):
     def record_dispatch(self, record: RequestRecord) -> None:
         key = self._req(record.request_id)
         with self.client.pipeline() as pipe:
-            pipe.hset(key, mapping={"state": "dispatched", "record": record.model_dump_json()})
+            pipe.hset(key, mapping={"state": RequestState.DISPATCHED, "record": record.model_dump_json()})
             pipe.hdel(key, "lease_until")
             pipe.expire(key, self.ttl_s)
             pipe.sadd(self._dispatched, record.request_id)
@@ -112,7 +120,7 @@ class RedisLedger(Ledger):
             rows = pipe.execute()
         out, gone = [], []
         for rid, (state, raw) in zip(ids, rows, strict=True):
-            if state == "dispatched" and raw is not None:
+            if state == RequestState.DISPATCHED and raw is not None:
                 out.append(RequestRecord.model_validate_json(str(raw)))
             else:
                 gone.append(rid)  # answered, expired or retried since: no longer watched

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from chorus_sched.ledger import DEFAULT_TTL_S, RETRYABLE_STATES, Claim, Ledger, RequestRecord
+from chorus_sched.ledger import DEFAULT_TTL_S, RETRYABLE_STATES, Claim, Ledger, RequestRecord, RequestState
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -78,7 +78,13 @@ class SqliteLedger(Ledger):
         return time.time() + self.ttl_s
 
     def begin(
-        self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted", origin: str = ""
+        self,
+        request_id: str,
+        *,
+        owner: str,
+        lease_s: float,
+        state: RequestState = RequestState.ACCEPTED,
+        origin: str = "",
     ) -> Claim:
         now = time.time()
         key = self._key(request_id)
@@ -95,9 +101,11 @@ class SqliteLedger(Ledger):
                 (key, state, owner, now + lease_s, self._expires(), origin),
             ).rowcount
             if inserted:
-                return Claim("new", state, owner) if row is None else Claim("retry", str(row[0]), owner)
-            current, holder, lease_until = row[0], row[1], row[2]
-            if current == "accepted":
+                return (
+                    Claim("new", state, owner) if row is None else Claim("retry", RequestState(row[0]), owner)
+                )
+            current, holder, lease_until = RequestState(row[0]), row[1], row[2]
+            if current == RequestState.ACCEPTED:
                 if holder == owner or (lease_until or 0.0) < now:
                     db.execute(
                         "UPDATE requests SET owner = ?, lease_until = ?, expires_at = ? WHERE request_id = ?",
@@ -115,11 +123,11 @@ class SqliteLedger(Ledger):
             ).fetchone()
         return row
 
-    def state(self, request_id: str) -> str | None:
+    def state(self, request_id: str) -> RequestState | None:
         row = self._row(request_id)
-        return None if row is None else str(row[0])
+        return None if row is None else RequestState(row[0])
 
-    def set_state(self, request_id: str, state: str, *, origin: str | None = None) -> None:
+    def set_state(self, request_id: str, state: RequestState, *, origin: str | None = None) -> None:
         with self._tx() as db:
             db.execute(
                 "INSERT INTO requests (request_id, state, expires_at, origin) VALUES (?, ?, ?, ?) "
@@ -135,10 +143,15 @@ class SqliteLedger(Ledger):
     def record_dispatch(self, record: RequestRecord) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO requests (request_id, state, record, expires_at) VALUES (?, 'dispatched', ?, ?) "
-                "ON CONFLICT(request_id) DO UPDATE SET state = 'dispatched', record = excluded.record, "
+                "INSERT INTO requests (request_id, state, record, expires_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(request_id) DO UPDATE SET state = excluded.state, record = excluded.record, "
                 "lease_until = NULL, expires_at = excluded.expires_at",
-                (self._key(record.request_id), record.model_dump_json(), self._expires()),
+                (
+                    self._key(record.request_id),
+                    RequestState.DISPATCHED,
+                    record.model_dump_json(),
+                    self._expires(),
+                ),
             )
 
     def record(self, request_id: str) -> RequestRecord | None:
@@ -150,9 +163,9 @@ class SqliteLedger(Ledger):
     def dispatched_records(self, limit: int = 1000) -> list[RequestRecord]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT record FROM requests WHERE state = 'dispatched' AND record IS NOT NULL "
+                "SELECT record FROM requests WHERE state = ? AND record IS NOT NULL "
                 "AND expires_at >= ? AND substr(request_id, 1, ?) = ? LIMIT ?",
-                (time.time(), len(self.prefix), self.prefix, limit),
+                (RequestState.DISPATCHED, time.time(), len(self.prefix), self.prefix, limit),
             ).fetchall()
         return [RequestRecord.model_validate_json(r[0]) for r in rows]
 

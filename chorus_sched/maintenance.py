@@ -19,7 +19,7 @@ from chorus_sched.batch import SchedulerStats
 from chorus_sched.cache import CachePolicy, plan_evictions
 from chorus_sched.dispatch import Dispatcher
 from chorus_sched.index import DonorIndex
-from chorus_sched.ledger import RETRYABLE_STATES, Ledger
+from chorus_sched.ledger import RETRYABLE_STATES, Ledger, RequestState
 from chorus_sched.metrics import METRICS
 from chorus_sched.settings import SchedulerSettings
 from producer.orders import EvictOrder
@@ -87,7 +87,7 @@ class CacheMaintenance:
             for rid in ids:
                 # A request that ended without a video stays open to being sent again.
                 if self.ledger.state(rid) not in RETRYABLE_STATES:
-                    self.ledger.set_state(rid, "evicted")
+                    self.ledger.set_state(rid, RequestState.EVICTED)
             self.index.delete(ids)
             self.stats.evicted += len(ids)
             METRICS.count_evictions(reason, len(ids))

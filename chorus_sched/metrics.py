@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from producer.orders import all_queues
+from chorus_sched.index import DonorStatus
+from producer.orders import Role, all_queues
 
 if TYPE_CHECKING:
     from kafka import KafkaConsumer
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROLES: Final = ("leader", "follower", "solo")
+ROLES: Final = (Role.LEADER, Role.FOLLOWER, Role.SOLO)
 REJECT_REASONS: Final = ("invalid_request", "scheduling_failed")
 RETRY_CAUSES: Final = ("backing_service", "error", "busy")
 LOOKUP_OUTCOMES: Final = ("hit", "miss", "incompatible", "cross_tenant_blocked")
@@ -74,7 +75,7 @@ EVICTION_REASONS: Final = (
     "other",
 )
 CONSUMERS: Final = ("requests", "results")
-ENTRY_STATUSES: Final = ("ready", "running")
+ENTRY_STATUSES: Final = (DonorStatus.READY, DonorStatus.RUNNING)
 
 # Seconds: milliseconds (an embedding, a search) up to minutes (a slow broker).
 PHASE_BUCKETS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -242,7 +243,7 @@ class SchedulerMetrics:
             self.retries.labels(cause=cause)
         for outcome in LOOKUP_OUTCOMES:
             self.donor_lookups.labels(outcome=outcome)
-        for role in ("solo", "follower"):
+        for role in (Role.SOLO, Role.FOLLOWER):
             self.donor_similarity.labels(role=role)
         for phase in SCHEDULER_PHASES:
             self.phase_seconds.labels(phase=phase)
@@ -302,8 +303,8 @@ class SchedulerMetrics:
                 size += entry.bytes
             else:
                 running += 1
-        self.cache_entries.labels(status="ready").set(ready)
-        self.cache_entries.labels(status="running").set(running)
+        self.cache_entries.labels(status=DonorStatus.READY).set(ready)
+        self.cache_entries.labels(status=DonorStatus.RUNNING).set(running)
         self.cache_bytes.set(size)
 
     def lag_probe(self, consumer_name: str, interval_s: float = LAG_INTERVAL_S) -> LagProbe:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from chorus_sched.batch import Publisher
-from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
 from chorus_sched.settings import SchedulerSettings
 from producer.contract import ErrorInfo, GenerationResult, ResultStatus
@@ -106,6 +106,6 @@ class OrderWatchdog:
             steps_requested=order.request.num_steps,
         )
         self.publish(self.settings.kafka_results_topic, order.request.request_id, failed.to_bytes())
-        self.ledger.set_state(record.request_id, "failed")
+        self.ledger.set_state(record.request_id, RequestState.FAILED)
         METRICS.redispatched.labels(outcome="failed").inc()
         log.error("order lost; answered failed", extra={"job": record.request_id, "why": why})

@@ -64,6 +64,8 @@ from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from producer.catalog import CATALOG
+from producer.orders import Role
+from workers.failures import FailureCode
 
 if TYPE_CHECKING:
     from producer.contract import GenerationResult
@@ -75,22 +77,12 @@ log = logging.getLogger(__name__)
 
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 
-ROLES: Final = ("leader", "follower", "solo")
+ROLES: Final = (Role.LEADER, Role.FOLLOWER, Role.SOLO)
 STATUSES: Final = ("done", "failed")
 REUSE: Final = ("donor", "fallback", "none")
 PHASES: Final = ("queue", "fetch", "denoise", "decode", "upload")
 STAGES: Final = ("1", "2", "3")
-FAILURE_CODES: Final = (
-    "invalid_order",
-    "model_unavailable",
-    "engine_error",
-    "video_error",
-    "store_error",
-    "time_limit",
-    "too_many_attempts",
-    "internal_error",
-    "other",
-)
+FAILURE_CODES: Final = (*FailureCode, "other")
 FALLBACK_CAUSES: Final = (
     "no_donor_ref",  # the plan reuses a donor but the order names none
     "donor_unavailable",  # a finished donor's objects are missing or unreadable
@@ -283,7 +275,7 @@ def observe_result(result: GenerationResult, order: WorkOrder | None) -> None:
     """Count one published result (call once, after it was published)."""
     m = metrics()
     model = model_label(order.request.model if order is not None else None)
-    role = str(order.role) if order is not None else "solo"
+    role = str(order.role if order is not None else Role.SOLO)
     status = str(result.status) if str(result.status) in STATUSES else "failed"
     m.requests.labels(model=model, role=role, status=status, reuse=reuse_label(result)).inc()
     if order is not None:

@@ -29,6 +29,7 @@ from producer.contract import (
 )
 from producer.orders import WorkOrder
 from producer.settings import KafkaSettings
+from workers.failures import FailureCode
 from workers.metrics import metrics
 
 log = logging.getLogger(__name__)
@@ -36,19 +37,6 @@ log = logging.getLogger(__name__)
 
 class ResultNotPublished(RuntimeError):
     """The results topic did not take the result; the task is retried (a bounded number of times)."""
-
-
-class FailureCode:
-    """Error codes of ``failed`` results (``GenerationResult.error.code``)."""
-
-    INVALID_ORDER = "invalid_order"
-    MODEL_UNAVAILABLE = "model_unavailable"
-    ENGINE_ERROR = "engine_error"
-    VIDEO_ERROR = "video_error"
-    STORE_ERROR = "store_error"
-    TIME_LIMIT = "time_limit"
-    TOO_MANY_ATTEMPTS = "too_many_attempts"
-    INTERNAL = "internal_error"
 
 
 class PhaseClock:
@@ -135,7 +123,7 @@ def done_result(
 
 def failed_result(
     request_id: str,
-    code: str,
+    code: FailureCode,
     message: str,
     *,
     order: WorkOrder | None = None,

@@ -37,8 +37,8 @@ from workers.engine.errors import (
 )
 from workers.engine.registry import load_bundle
 from workers.engine.trajectory import StepRecord
+from workers.failures import FailureCode
 from workers.results import (
-    FailureCode,
     PhaseClock,
     ResultPublisher,
     done_result,
@@ -168,7 +168,7 @@ class Runner:
         clock = PhaseClock()
         queue_s = queue_seconds(order.accepted_at)
         request_id = order.request.request_id
-        code: str
+        code: FailureCode
         try:
             return self._run(order, worker, clock, queue_s, progress)
         except SoftTimeLimitExceeded:

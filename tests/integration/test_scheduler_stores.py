@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from chorus_sched.index import DonorEntry, DonorIndex
-from chorus_sched.ledger import Ledger, RequestRecord
+from chorus_sched.index import DonorEntry, DonorIndex, DonorStatus
+from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.ledger_redis import RedisLedger
 from chorus_sched.ledger_sqlite import SqliteLedger
 from chorus_sched.ledger_stores import ledger_from_url, open_ledger
@@ -75,7 +75,7 @@ def test_claims_are_new_then_duplicate_once_dispatched(ledger: Ledger) -> None:
     assert ledger.record("r1") == dispatched
     dup = ledger.begin("r1", owner="B", lease_s=60)
     assert dup.outcome == "duplicate" and dup.state == "dispatched"
-    ledger.set_state("r1", "done")
+    ledger.set_state("r1", RequestState.DONE)
     assert ledger.begin("r1", owner="C", lease_s=60).state == "done"
     assert ledger.record("r1") == dispatched  # state changes keep the record
 
@@ -173,7 +173,7 @@ def test_a_dead_holders_mutex_expires(ledger: Ledger) -> None:
 def test_a_request_that_ended_without_a_video_can_be_sent_again(ledger: Ledger, ended: str) -> None:
     first = ledger.begin("r-again", owner="a", lease_s=60, origin="requests:0:10")
     assert first.outcome == "new"
-    ledger.set_state("r-again", ended)
+    ledger.set_state("r-again", RequestState(ended))
     # The same message read again (a redelivery) is not a new attempt...
     redelivered = ledger.begin("r-again", owner="b", lease_s=60, origin="requests:0:10")
     assert redelivered.outcome == "duplicate" and not redelivered.ours
@@ -187,7 +187,7 @@ def test_a_request_that_ended_without_a_video_can_be_sent_again(ledger: Ledger, 
 def test_a_request_that_was_served_stays_a_duplicate(ledger: Ledger) -> None:
     ledger.begin("r-served", owner="a", lease_s=60, origin="requests:0:1")
     ledger.record_dispatch(record("r-served"))
-    ledger.set_state("r-served", "done")
+    ledger.set_state("r-served", RequestState.DONE)
     assert ledger.begin("r-served", owner="b", lease_s=60, origin="requests:0:2").outcome == "duplicate"
 
 
@@ -210,7 +210,7 @@ def test_dispatched_records_are_those_still_waiting_for_a_result(ledger: Ledger)
     for rid in ("w-1", "w-2", "w-3"):
         ledger.begin(rid, owner="a", lease_s=60)
         ledger.record_dispatch(record(rid).model_copy(update={"order": "{}", "dispatched_at": 5.0}))
-    ledger.set_state("w-2", "done")
+    ledger.set_state("w-2", RequestState.DONE)
     ledger.release("w-3")
     [waiting] = ledger.dispatched_records()
     assert waiting.request_id == "w-1" and waiting.order == "{}" and waiting.dispatched_at == 5.0
@@ -335,9 +335,9 @@ def test_search_filters_by_status_and_set_fields_reports_missing_entries() -> No
     index.upsert(_entry("done"), [1, 0, 0])
     index.upsert(_entry("running", status="running"), [1, 0, 0])
     index.upsert(_entry("other", tenant="u"), [1, 0, 0])
-    ready = index.search([1, 0, 0], compat_key="k", tenant="t", status="ready")
+    ready = index.search([1, 0, 0], compat_key="k", tenant="t", status=DonorStatus.READY)
     assert [h.entry.request_id for h in ready] == ["done"]
-    running = index.search([1, 0, 0], compat_key="k", tenant="t", status="running")
+    running = index.search([1, 0, 0], compat_key="k", tenant="t", status=DonorStatus.RUNNING)
     assert [h.entry.request_id for h in running] == ["running"] and not running[0].entry.ready
     assert {h.entry.request_id for h in index.search([1, 0, 0], compat_key="k", tenant=None)} == {
         "done",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from chorus_sched.index import DonorEntry, DonorIndex
+from chorus_sched.ledger import RequestState
 from chorus_sched.ledger_stores import ledger_from_url
 from producer import bus
 from producer.contract import build_request, parse_request
@@ -59,7 +60,7 @@ def test_redis_ledger_claims_each_request_once(redis_url: str) -> None:
     ledger = ledger_from_url(redis_url, prefix=f"smoke:{uuid.uuid4().hex}:", ttl_s=60)
     assert ledger.claim("r1") is True
     assert ledger.claim("r1") is False
-    ledger.set_state("r1", "dispatched")
+    ledger.set_state("r1", RequestState.DISPATCHED)
     assert ledger.state("r1") == "dispatched"
     ledger.release("r1")
     assert ledger.state("r1") is None

@@ -20,7 +20,7 @@ from kafka.structs import TopicPartition
 
 from chorus_sched.dispatch import Dispatcher
 from chorus_sched.index import DonorEntry, DonorHit, DonorIndex
-from chorus_sched.ledger import RETRYABLE_STATES, Claim, Ledger, RequestRecord
+from chorus_sched.ledger import RETRYABLE_STATES, Claim, Ledger, RequestRecord, RequestState
 from chorus_sched.planner import Planner, load_calibration
 from chorus_sched.service import Scheduler
 from chorus_sched.settings import SchedulerSettings
@@ -48,7 +48,7 @@ class FakeLedger:
     ``Ledger.begin``: new, retry (a request that ended failed from another message), resumed, busy, duplicate."""
 
     def __init__(self) -> None:
-        self.states: dict[str, str] = {}
+        self.states: dict[str, RequestState] = {}
         self.owners: dict[str, str] = {}
         self.origins: dict[str, str] = {}
         self.records: dict[str, RequestRecord] = {}
@@ -74,7 +74,13 @@ class FakeLedger:
         return self.waiters.pop(key, [])
 
     def begin(
-        self, request_id: str, *, owner: str, lease_s: float, state: str = "accepted", origin: str = ""
+        self,
+        request_id: str,
+        *,
+        owner: str,
+        lease_s: float,
+        state: RequestState = RequestState.ACCEPTED,
+        origin: str = "",
     ) -> Claim:
         current = self.states.get(request_id)
         if current is None or (
@@ -84,14 +90,14 @@ class FakeLedger:
             self.origins[request_id] = origin
             return Claim("new", state, owner) if current is None else Claim("retry", current, owner)
         holder = self.owners.get(request_id)
-        if current == "accepted":
+        if current == RequestState.ACCEPTED:
             return Claim("resumed" if holder == owner else "busy", current, holder)
         return Claim("duplicate", current, holder)
 
-    def state(self, request_id: str) -> str | None:
+    def state(self, request_id: str) -> RequestState | None:
         return self.states.get(request_id)
 
-    def set_state(self, request_id: str, state: str, *, origin: str | None = None) -> None:
+    def set_state(self, request_id: str, state: RequestState, *, origin: str | None = None) -> None:
         self.states[request_id] = state
         if origin is not None:
             self.origins[request_id] = origin
@@ -100,14 +106,16 @@ class FakeLedger:
         self.states.pop(request_id, None)
 
     def record_dispatch(self, record: RequestRecord) -> None:
-        self.states[record.request_id] = "dispatched"
+        self.states[record.request_id] = RequestState.DISPATCHED
         self.records[record.request_id] = record
 
     def record(self, request_id: str) -> RequestRecord | None:
         return self.records.get(request_id)
 
     def dispatched_records(self, limit: int = 1000) -> list[RequestRecord]:
-        return [r for rid, r in self.records.items() if self.states.get(rid) == "dispatched"][:limit]
+        return [r for rid, r in self.records.items() if self.states.get(rid) == RequestState.DISPATCHED][
+            :limit
+        ]
 
     def mark_once(self, key: str) -> bool:
         fresh = key not in self.marks

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from chorus_sched.ledger import RequestRecord
+from chorus_sched.ledger import RequestRecord, RequestState
 from chorus_sched.ledger_sqlite import SqliteLedger
 from chorus_sched.settings import SchedulerSettings
 from chorus_sched.watchdog import OrderWatchdog
@@ -130,6 +130,6 @@ def test_an_order_celery_finished_is_never_sent_again(
 def test_an_answered_request_is_no_longer_watched(ledger: SqliteLedger, tmp_path: Path) -> None:
     watchdog, celery, clock, _ = setup(ledger, tmp_path)
     order = dispatch(ledger, clock.now)
-    ledger.set_state(order.request.job_id, "done")
+    ledger.set_state(order.request.job_id, RequestState.DONE)
     clock.now += 10_000
     assert ledger.dispatched_records() == [] and watchdog.check() == [] and celery.sent == []

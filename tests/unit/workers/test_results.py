@@ -16,7 +16,8 @@ from producer.contract import (
     build_request,
 )
 from producer.orders import DonorRef, Role, WorkOrder, trajectory_prefix
-from workers.results import FailureCode, PhaseClock, done_result, failed_result, queue_seconds, salvage_ids
+from workers.failures import FailureCode
+from workers.results import PhaseClock, done_result, failed_result, queue_seconds, salvage_ids
 
 
 def make_order(with_donor: bool = True) -> WorkOrder:
