@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Self
+from typing import Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -38,6 +38,22 @@ MAX_STEPS = 1000  # the contract's largest num_steps: the last regime must reach
 
 class CalibrationError(ValueError):
     """A calibration table could not be read or is not valid; the message names the file and the problems."""
+
+
+class AdmissionRule(Protocol):
+    """What decides whether a row admits a donor (a table's ``CalibrationRow``, the benchmark's candidate rows)."""
+
+    @property
+    def min_similarity(self) -> float: ...
+
+    @property
+    def max_content_changes(self) -> int: ...
+
+
+def admits(rule: AdmissionRule, similarity: float, content_changes: int) -> bool:
+    """The planner's admission rule: the prompts' similarity is at least the row's ``min_similarity`` and at most
+    ``max_content_changes`` content words differ."""
+    return similarity >= rule.min_similarity and content_changes <= rule.max_content_changes
 
 
 class _Strict(BaseModel):
@@ -69,7 +85,7 @@ class CalibrationRow(_Strict):
         return self
 
     def admits(self, similarity: float, content_changes: int) -> bool:
-        return similarity >= self.min_similarity and content_changes <= self.max_content_changes
+        return admits(self, similarity, content_changes)
 
 
 class Regime(_Strict):

@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from chorus_sched.planner import CalibrationRow, CalibrationTable, Regime
+from chorus_sched.planner import CalibrationRow, CalibrationTable, Regime, admits
 from producer.contract import ReusePlan
-from workers.bench.pairs import Pair
+from workers.bench.pair_facts import PairFacts
 
 EMBEDDER = "all-minilm-l6-v2"
 BLOCKER = "unmeasured-small-change"
@@ -63,16 +63,7 @@ class RowSpec:
         return bool(self.classes)
 
     def admits(self, similarity: float, changes: int) -> bool:
-        return similarity >= self.min_similarity and changes <= self.max_content_changes
-
-
-@dataclass(frozen=True)
-class PairFacts:
-    """What the planner sees of a pair."""
-
-    pair: Pair
-    similarity: float
-    content_changes: int
+        return admits(self, similarity, changes)
 
 
 def floor2(x: float) -> float:

@@ -15,14 +15,16 @@ from chorus_sched.planner import Planner
 from workers.bench.pairs import Pair
 
 
-@dataclass
-class PairInfo:
+@dataclass(frozen=True)
+class PairFacts:
+    """What the planner sees of a pair."""
+
     pair: Pair
     similarity: float
-    changes: int
+    content_changes: int
 
 
-def pair_facts(pairs: Sequence[Pair], ignorable: Sequence[str]) -> list[PairInfo]:
+def pair_facts(pairs: Sequence[Pair], ignorable: Sequence[str]) -> list[PairFacts]:
     """MiniLM similarity and content-word changes of every pair — what the scheduler computes."""
     embedder = MiniLMEmbedder()
     texts = sorted({p.donor_prompt for p in pairs} | {p.target.prompt for p in pairs})
@@ -31,16 +33,16 @@ def pair_facts(pairs: Sequence[Pair], ignorable: Sequence[str]) -> list[PairInfo
     out = []
     for p in pairs:
         sim = float(np.clip(vectors[p.donor_prompt] @ vectors[p.target.prompt], -1.0, 1.0))
-        out.append(PairInfo(p, sim, token_diff(p.donor_prompt, p.target.prompt).content_changes(ign)))
+        out.append(PairFacts(p, sim, token_diff(p.donor_prompt, p.target.prompt).content_changes(ign)))
     return out
 
 
-def class_report(infos: Sequence[PairInfo], planner: Planner | None, steps: Sequence[int]) -> dict[str, Any]:
+def class_report(infos: Sequence[PairFacts], planner: Planner | None, steps: Sequence[int]) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for cls in dict.fromkeys(i.pair.pair_class for i in infos):
         group = [i for i in infos if i.pair.pair_class == cls]
         sims = [i.similarity for i in group]
-        changes = [i.changes for i in group]
+        changes = [i.content_changes for i in group]
         entry: dict[str, Any] = {
             "n": len(group),
             "similarity": {

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from chorus_sched.planner import CalibrationRow, CalibrationTable
 from producer.contract import ReusePlan
 from workers.bench import calibrate as cal
-from workers.bench.pair_facts import PairInfo, class_report, pair_facts
+from workers.bench.pair_facts import PairFacts, class_report, pair_facts
 from workers.bench.pairs import (
     CALIBRATION_SEED_BASE,
     CALIBRATION_SET_SEED,
@@ -40,11 +40,11 @@ class CalibrationSet:
     """The calibration pairs and negatives, the table rows derived from them, and what each row admits."""
 
     targets: list[Target]
-    infos: list[PairInfo]
-    negatives: list[PairInfo]
+    infos: list[PairFacts]
+    negatives: list[PairFacts]
     specs: list[cal.RowSpec]
     dropped: list[str]  # rows left with too few measured pairs
-    routed: dict[str, list[PairInfo]]  # row name -> the calibration pairs it admits
+    routed: dict[str, list[PairFacts]]  # row name -> the calibration pairs it admits
     negatives_at: dict[str, Counter[str]]  # row name -> negatives it admits, per negative class
 
 
@@ -67,22 +67,17 @@ def calibration_set(cfg: BenchConfig, ignorable: Sequence[str]) -> CalibrationSe
     )
     infos = [i for i in everything if i.pair.pair_class in cfg.classes]
     negatives = [i for i in everything if i.pair.pair_class in NEGATIVE_CLASSES]
-    facts = [cal.PairFacts(i.pair, i.similarity, i.changes) for i in infos]
-    specs = cal.derive_rows(
-        facts,
-        [cal.PairFacts(i.pair, i.similarity, i.changes) for i in negatives],
-        cfg.min_row_pairs,
-    )
+    specs = cal.derive_rows(infos, negatives, cfg.min_row_pairs)
     kept = {s.name for s in specs}
-    dropped = [s.name for s in cal.class_rows(facts) if s.name not in kept]
+    dropped = [s.name for s in cal.class_rows(infos) if s.name not in kept]
     negatives_at: dict[str, Counter[str]] = {s.name: Counter() for s in specs}
     for info in negatives:
-        spec = cal.route(specs, info.similarity, info.changes)
+        spec = cal.route(specs, info.similarity, info.content_changes)
         if spec is not None:
             negatives_at[spec.name][info.pair.pair_class] += 1
-    routed: dict[str, list[PairInfo]] = {s.name: [] for s in specs}
+    routed: dict[str, list[PairFacts]] = {s.name: [] for s in specs}
     for info in infos:
-        spec = cal.route(specs, info.similarity, info.changes)
+        spec = cal.route(specs, info.similarity, info.content_changes)
         if spec is not None:
             routed[spec.name].append(info)
     return CalibrationSet(targets, infos, negatives, specs, dropped, routed, negatives_at)
@@ -158,7 +153,7 @@ class Calibration:
         return base
 
     def row(
-        self, spec: cal.RowSpec, items: list[PairInfo], base: dict[int, bool], n: int
+        self, spec: cal.RowSpec, items: list[PairFacts], base: dict[int, bool], n: int
     ) -> tuple[CalibrationRow, dict[str, Any]]:
         """The table row ``spec`` at N steps and its report entry: the sweep's choice over the row's pairs."""
         if not spec.calibrated or not items:
@@ -200,7 +195,7 @@ class Calibration:
         return cal.table_row(spec, n, chosen, measured), entry
 
     def sweep(
-        self, spec: cal.RowSpec, items: list[PairInfo], baseline: list[bool], n: int
+        self, spec: cal.RowSpec, items: list[PairFacts], baseline: list[bool], n: int
     ) -> tuple[cal.Candidate | None, list[cal.Trial]]:
         """Generate the row's donors, then try the candidate plans on its pairs (the donors are dropped on
         return, before the next row generates its own)."""

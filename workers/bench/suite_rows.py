@@ -21,7 +21,7 @@ from chorus_sched.embedding import token_diff
 from chorus_sched.planner import Planner
 from producer.contract import ReusePlan
 from workers.bench.contact import SheetGroup, SheetRow, write_sheet
-from workers.bench.pair_facts import PairInfo
+from workers.bench.pair_facts import PairFacts
 from workers.bench.pairs import Target
 from workers.bench.runner import Outcome, Row, plan_dict, plan_label
 from workers.engine.trajectory import Trajectory
@@ -62,7 +62,7 @@ class StepCountBench:
         suite: Suite,
         n: int,
         targets: Sequence[Target],
-        infos: Sequence[PairInfo],
+        infos: Sequence[PairFacts],
         planner: Planner,
         sheet_targets: set[int],
     ) -> None:
@@ -205,7 +205,7 @@ class StepCountBench:
             ),
         )
 
-    def pair(self, info: PairInfo, cls: str, rows: ClassRows, run_probe: bool) -> None:
+    def pair(self, info: PairFacts, cls: str, rows: ClassRows, run_probe: bool) -> None:
         """One target of the class: its donor (once), then each wanted row's request."""
         n, t = self.n, info.pair.target
         keep = t.index in self.sheet_targets and cls == SHEET_CLASSES[t.index % len(SHEET_CLASSES)]
