@@ -5,10 +5,11 @@ Layout (``producer.orders``): ``<prefix>header.json`` holds the metadata and ini
 
 Reading, two ways:
 
-- a finished donor (SOLO/LEADER orders): ``prefetch`` downloads the header and every step the plan needs before
-  the engine starts, so a missing, corrupt or unreadable donor is found out up front and the request runs in full;
+- a finished donor (SOLO/LEADER orders): ``prefetch`` (called by the engine's ``prefetch_donor``) downloads the
+  header and every step the plan needs before the engine starts, so a missing, corrupt or unreadable donor is found
+  out up front and the request runs in full;
 - a running leader (FOLLOWER orders): each accessor polls S3 for its object every ``poll_s`` until ``wait_s`` has
-  passed since it began waiting, then raises ``DonorUnavailable`` for that object (the engine computes that step in
+  passed since it began waiting, then raises ``DonorWaitExpired`` for that object (the engine computes that step in
   full). Once one wait has run out the leader is taken to be gone: later objects are looked up once, not waited
   for, so a follower never waits more than ``wait_s`` in all. The follower that gives up leaves an
   ``abandoned`` marker under the prefix, and every other follower of that leader checks it while it waits, so
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from producer.orders import abandoned_key, header_key, step_key
-from workers.engine.errors import CorruptTrajectory, DonorMissing, DonorUnavailable
+from workers.engine.errors import CorruptTrajectory, DonorMissing, DonorUnavailable, DonorWaitExpired
 from workers.engine.trajectory import (
     StepRecord,
     StorageDType,
@@ -156,14 +157,14 @@ class S3DonorSource:
                 raise DonorUnavailable(f"donor {what} is not in the store ({self.store.uri(key)})")
             if self._abandoned():
                 self._gave_up = True
-                raise DonorUnavailable(f"donor {what}: another follower found its leader gone; not waiting")
+                raise DonorWaitExpired(f"donor {what}: another follower found its leader gone; not waiting")
             now = self._clock()
             if deadline is None:
                 deadline = now + self.wait_s
             if now >= deadline:
                 self._gave_up = True
                 self._mark_abandoned()
-                raise DonorUnavailable(
+                raise DonorWaitExpired(
                     f"donor {what} was not uploaded within {self.wait_s:g} s ({self.store.uri(key)})"
                 )
             self._sleep(min(self.poll_s, deadline - now))

@@ -65,6 +65,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from producer.catalog import CATALOG
 from producer.orders import Role
+from workers.engine.fallback import FallbackCause
 from workers.failures import FailureCode
 
 if TYPE_CHECKING:
@@ -83,14 +84,7 @@ REUSE: Final = ("donor", "fallback", "none")
 PHASES: Final = ("queue", "fetch", "denoise", "decode", "upload")
 STAGES: Final = ("1", "2", "3")
 FAILURE_CODES: Final = (*FailureCode, "other")
-FALLBACK_CAUSES: Final = (
-    "no_donor_ref",  # the plan reuses a donor but the order names none
-    "donor_unavailable",  # a finished donor's objects are missing or unreadable
-    "donor_corrupt",  # a finished donor's objects fail their checksum
-    "donor_incompatible",  # the engine refused the donor (shape, scheduler, weights)
-    "leader_wait_timeout",  # a follower waited follower_wait_s for its leader's step in vain
-    "donor_step_unavailable",  # a donor step could not be read while the engine ran
-)
+FALLBACK_CAUSES: Final = tuple(FallbackCause)  # the engine decides each fallback and names its cause
 UNKNOWN_MODEL: Final = "unknown"
 
 PHASE_BUCKETS_S: Final = (

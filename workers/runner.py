@@ -4,10 +4,11 @@ One ``Runner`` per process and settings (``runner_for``); one loaded model + ``E
 (``engine_for``), loaded on the first order for that model with its load time logged.
 
 Donor handling never fails a request: a donor that is missing, corrupt, unreadable or incompatible makes the
-request run in full, and the result's ``fallback`` says why. A request that fails for any other reason (model
-not loadable, engine error, video encoding, the video upload, the soft time limit) is answered with a ``failed``
-result carrying an error code and message. The result keeps the scheduler's plan and donor as they were planned;
-``fallback`` and ``steps_computed`` tell what actually happened.
+request run in full, and the result's ``fallback`` says why. The engine decides every such fallback
+(``workers.engine.fallback``); the runner reads the donor from S3 and reports what the engine returns. A request
+that fails for any other reason (model not loadable, engine error, video encoding, the video upload, the soft time
+limit) is answered with a ``failed`` result carrying an error code and message. The result keeps the scheduler's
+plan and donor as they were planned; ``fallback`` and ``steps_computed`` tell what actually happened.
 """
 
 from __future__ import annotations
@@ -21,21 +22,17 @@ from dataclasses import dataclass
 from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
-from producer.contract import GenerationResult, ReusePlan
+from producer.contract import GenerationResult
 from producer.orders import Role, WorkOrder, trajectory_prefix, video_key
 from producer.readiness import ReadinessEvent
 from workers import metrics as worker_metrics
 from workers import video
 from workers.donors import S3DonorSource, TrajectoryUploader
 from workers.engine.engine import Engine, GenerationOutput
-from workers.engine.errors import (
-    CorruptTrajectory,
-    DonorMissing,
-    DonorUnavailable,
-    IncompatibleDonor,
-    ModelUnavailable,
-)
+from workers.engine.errors import ModelUnavailable
+from workers.engine.fallback import FallbackCause
 from workers.engine.registry import load_bundle
+from workers.engine.request_run import PrefetchedDonor, donor_steps, prefetch_donor
 from workers.engine.trajectory import StepRecord
 from workers.failures import FailureCode
 from workers.results import (
@@ -202,52 +199,36 @@ class Runner:
         request_id = request.request_id
         job = request.job_id  # object keys are per tenant: two tenants may use the same request id
         loaded = engine_for(request.model, self.settings)
-        full = ReusePlan.full(request.num_steps)
-        fallbacks: list[str] = []
-        # Set when a finished donor proved unusable for good, so the scheduler stops offering it; a transient S3
-        # error or a follower's late leader does not count.
-        donor_gone = False
-        source: S3DonorSource | None = None
-        run_plan = plan
+        source: S3DonorSource | None = None  # what the engine reads the donor from
+        given: S3DonorSource | PrefetchedDonor | None = None  # what it is handed
         donor = order.donor
 
-        if plan.reuses and donor is None:
-            fallbacks.append("the plan reuses a donor but the order names none: computed in full")
-            worker_metrics.count_fallback("no_donor_ref")
-            run_plan = full
-        elif plan.reuses and donor is not None:
+        if plan.reuses and donor is not None:
             if order.role is Role.FOLLOWER:
                 # The leader is still running: wait for each of its steps, up to wait_s.
-                source = S3DonorSource(
+                source = given = S3DonorSource(
                     self.store,
                     donor.trajectory_prefix,
                     wait_s=donor.wait_s,
                     poll_s=self.settings.follower_poll_s,
                 )
             else:
-                candidate = S3DonorSource(self.store, donor.trajectory_prefix)
-                needed = range(min(plan.stage1_steps + plan.stage2_steps, request.num_steps))
+                # A finished donor: read what the plan takes of it now, before the model is ours.
+                source = S3DonorSource(self.store, donor.trajectory_prefix)
                 with clock.phase("fetch"):
-                    try:
-                        candidate.prefetch(needed)
-                        source = candidate
-                    except (DonorUnavailable, CorruptTrajectory) as exc:
-                        fallbacks.append(f"donor {donor.request_id} unusable ({exc}): computed in full")
-                        donor_gone = isinstance(exc, DonorMissing | CorruptTrajectory)
-                        worker_metrics.count_fallback(
-                            "donor_corrupt" if isinstance(exc, CorruptTrajectory) else "donor_unavailable"
-                        )
-                        run_plan = full
-                if source is not None:
+                    given = prefetch_donor(source, plan, request.num_steps, name=donor.request_id)
+                if given.source is not None:
                     log.info(
                         "donor fetched",
                         extra={
                             "request_id": request_id,
                             "donor": donor.request_id,
-                            "steps": len(needed),
-                            "bytes": candidate.bytes_read,
+                            "steps": len(donor_steps(plan, request.num_steps)),
+                            "bytes": source.bytes_read,
                         },
                     )
+                else:
+                    source = None
         log.info(
             "order started",
             extra={
@@ -256,7 +237,7 @@ class Runner:
                 "role": str(order.role),
                 "donor": donor.request_id if donor else None,
                 "similarity": donor.similarity if donor else None,
-                "plan": f"{run_plan.stage1_steps}/{run_plan.stage2_steps}/{run_plan.stage3_steps}",
+                "plan": f"{plan.stage1_steps}/{plan.stage2_steps}/{plan.stage3_steps}",
                 "queue_s": round(queue_s, 3),
             },
         )
@@ -268,24 +249,17 @@ class Runner:
             uploader.start()
         try:
             with loaded.lock:
-                try:
-                    output = self._generate(loaded.engine, order, run_plan, source, uploader, clock, progress)
-                except IncompatibleDonor as exc:
-                    fallbacks.append(f"incompatible donor ({exc}): computed in full")
-                    donor_gone = order.role is not Role.FOLLOWER
-                    worker_metrics.count_fallback("donor_incompatible")
-                    log.warning("incompatible donor", extra={"request_id": request_id, "error": str(exc)})
-                    output = self._generate(loaded.engine, order, full, None, uploader, clock, progress)
+                output = self._generate(loaded.engine, order, given, source, uploader, clock, progress)
         except BaseException:
             uploader.stop()
             # A leader that failed may have streamed part of its trajectory: nobody must take it for a donor.
             self._discard_trajectory(job, uploader)
             raise
         uploader.stop()
-        if output.fallback:
-            fallbacks.append(output.fallback)
-            gave_up = source is not None and source.gave_up
-            worker_metrics.count_fallback("leader_wait_timeout" if gave_up else "donor_step_unavailable")
+        if output.fallback_cause is not None:
+            worker_metrics.count_fallback(output.fallback_cause)
+            if output.fallback_cause is FallbackCause.DONOR_INCOMPATIBLE:
+                log.warning("incompatible donor", extra={"request_id": request_id, "error": output.fallback})
 
         fmt = self.settings.video_format
         with clock.phase("decode"):
@@ -309,8 +283,8 @@ class Runner:
             trajectory_bytes=trajectory_bytes,
             steps_computed=output.steps_computed,
             tokens_computed_fraction=output.tokens_computed_fraction,
-            fallback="; ".join(fallbacks) if fallbacks else None,
-            donor_gone=donor_gone,
+            fallback=output.fallback,
+            donor_gone=output.donor_gone,
             timings=clock.timings(queue_s),
             worker=worker,
             donor_seed=meta.seed if source is not None and (meta := source.loaded_metadata) else None,
@@ -345,7 +319,7 @@ class Runner:
         self,
         engine: Engine,
         order: WorkOrder,
-        plan: ReusePlan,
+        donor: S3DonorSource | PrefetchedDonor | None,
         source: S3DonorSource | None,
         uploader: TrajectoryUploader,
         clock: PhaseClock,
@@ -363,7 +337,13 @@ class Runner:
         waited_before = source.busy_s if source is not None else 0.0
         start = time.perf_counter()
         output = engine.generate(
-            order.request, plan, source, on_step=on_step, on_start=uploader.on_start, progress=False
+            order.request,
+            order.plan,
+            donor,
+            on_step=on_step,
+            on_start=uploader.on_start,
+            progress=False,
+            refuse_incompatible=False,
         )
         wall = time.perf_counter() - start
         waited = (source.busy_s - waited_before) if source is not None else 0.0

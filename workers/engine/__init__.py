@@ -16,7 +16,9 @@ Public API — the worker, the benchmark and the demo call exactly this::
 Signatures
     load_bundle(name, *, device="cpu", dtype="float32", wan21_dir=None, toy_weights_dir=None) -> ModelBundle
     Engine(bundle, *, record_attn_maps=True, cache_text=True)
-    Engine.generate(request, plan, donor=None, *, on_step=None, on_start=None, progress=False) -> GenerationOutput
+    Engine.generate(request, plan, donor=None, *, on_step=None, on_start=None, progress=False,
+                    refuse_incompatible=True) -> GenerationOutput
+    prefetch_donor(source, plan, num_steps, *, name) -> PrefetchedDonor   (request_run: read a finished donor now)
     Engine.close()   # removes the hooks/processors from the transformer
     DonorSource (Protocol): metadata() -> TrajectoryMeta; initial_latent() -> Tensor; step(i) -> StepRecord
         (each MAY block and MAY raise DonorUnavailable / CorruptTrajectory → the engine falls back, never fails)
@@ -31,14 +33,17 @@ Behaviour
     through the transformer (``srd`` hooks), the rest take the donor's model output; TGAA (``tgaa``) amplifies the
     target's differing prompt tokens by α on the conditional branch. Stage 3: full steps (TGAA if
     ``plan.tgaa_in_stage3``). Donor unavailable before Stage 1 ends → every step in full; a Stage-2 step whose
-    donor data is unavailable → that step in full. Incompatible donor → ``IncompatibleDonor`` (raised).
+    donor data is unavailable → that step in full. Incompatible donor → ``IncompatibleDonor`` (raised), or with
+    ``refuse_incompatible=False`` every step in full. The engine alone decides each fallback: ``out.fallback`` says
+    why, ``out.fallback_cause`` what kind it is (``fallback.FallbackCause``), ``out.donor_gone`` whether the donor
+    can never serve again.
 
 Modules: ``registry`` (models), ``engine`` (the loop), ``request_run`` (per-request state, donor resolution and
 Stage 1, donor reads), ``output`` (``GenerationOutput``, ``StepStat``), ``instrumentation`` (installs the hooks and
 processors), ``srd`` (gather/scatter hooks), ``tgaa`` (attn2 processor: amplification, map recording, text K/V
 cache), ``masks``, ``tokens`` (prompt diff), ``trajectory`` (records, metadata, serialization), ``errors``,
-``bundle`` (the model interface). The commands that run it live above it: ``chorus generate`` in
-``workers/generate.py``, ``chorus bench engine`` in ``workers/bench/engine_cli.py``.
+``fallback`` (why a planned reuse did not happen), ``bundle`` (the model interface). The commands that run it live
+above it: ``chorus generate`` in ``workers/generate.py``, ``chorus bench engine`` in ``workers/bench/engine_cli.py``.
 
 Attributes are imported lazily so that ``import workers.engine`` (e.g. by the CLI) stays cheap.
 """

@@ -23,10 +23,19 @@ import torch
 
 from producer.contract import GenerationRequest, ReusePlan
 from workers.engine.bundle import ModelBundle, TextEncoding
+from workers.engine.fallback import Fallback
 from workers.engine.instrumentation import instrument, uninstrument
 from workers.engine.masks import MaskSettings, build_mask, latent_mask
 from workers.engine.output import GenerationOutput, StepStat
-from workers.engine.request_run import DONOR_PROBLEMS, RequestRun, Stage1, resolve_donor, set_timesteps
+from workers.engine.request_run import (
+    DONOR_PROBLEMS,
+    PrefetchedDonor,
+    RequestRun,
+    Stage1,
+    resolve_donor,
+    run_fallback,
+    set_timesteps,
+)
 from workers.engine.trajectory import DonorSource, StepRecord, Trajectory, TrajectoryMeta
 
 # GenerationOutput, StepStat and instrument lived here before their modules were split off; importers still use
@@ -50,6 +59,7 @@ class _Denoised:
     stats: list[StepStat]
     stage_seconds: dict[int, float]
     fallback: list[str]
+    decided: Fallback | None  # the donor dropped before any of its steps was read
 
 
 class Engine:
@@ -77,26 +87,29 @@ class Engine:
         self,
         request: GenerationRequest,
         plan: ReusePlan,
-        donor: DonorSource | None = None,
+        donor: DonorSource | PrefetchedDonor | None = None,
         *,
         on_step: Callable[[StepRecord], None] | None = None,
         on_start: Callable[[Trajectory], None] | None = None,
         progress: bool = False,
+        refuse_incompatible: bool = True,
     ) -> GenerationOutput:
         """Denoise ``request`` following ``plan``, reusing ``donor`` where the plan says so.
 
         ``on_start(trajectory)`` is called once the trajectory's metadata and initial latent are fixed (after
         Stage 1 was resolved, before the first computed step); ``on_step(record)`` after every step, in order.
-        Raises ``IncompatibleDonor`` for a donor that can never serve this request; any other donor problem
-        (``DonorUnavailable``, ``CorruptTrajectory``) only makes the engine compute more, and is reported in
-        ``GenerationOutput.fallback`` and per step.
+        Raises ``IncompatibleDonor`` for a donor that can never serve this request (with
+        ``refuse_incompatible=False`` it computes in full instead); any other donor problem (``DonorUnavailable``,
+        ``CorruptTrajectory``, a ``PrefetchedDonor`` found unusable) only makes the engine compute more. Every
+        fallback is decided here and reported in ``GenerationOutput.fallback`` (with its ``fallback_cause`` and
+        ``donor_gone``) and per step.
         """
         if plan.num_steps != request.num_steps:
             raise ValueError(f"plan covers {plan.num_steps} steps, request asks for {request.num_steps}")
         if request.model != self.bundle.spec.name:
             raise ValueError(f"request is for model {request.model!r}, engine runs {self.bundle.spec.name!r}")
         try:
-            return self._generate(request, plan, donor, on_step, on_start, progress)
+            return self._generate(request, plan, donor, on_step, on_start, progress, refuse_incompatible)
         finally:
             self._inst.reset()
 
@@ -105,17 +118,18 @@ class Engine:
         self,
         request: GenerationRequest,
         plan: ReusePlan,
-        donor: DonorSource | None,
+        donor: DonorSource | PrefetchedDonor | None,
         on_step: Callable[[StepRecord], None] | None,
         on_start: Callable[[Trajectory], None] | None,
         progress: bool,
+        refuse_incompatible: bool,
     ) -> GenerationOutput:
         t_enc = time.perf_counter()
         cond, text = self._encode_prompt(request)
         encode_s = time.perf_counter() - t_enc
         run, noise = self._prepare(request, plan, cond, text)
         # the donor and Stage 1 are resolved before anything is computed
-        start = resolve_donor(run, donor, noise, self.bundle)
+        start = resolve_donor(run, donor, noise, self.bundle, refuse_incompatible=refuse_incompatible)
         traj = Trajectory(run.meta, start.initial.detach().cpu().reshape(run.latent_shape))
         if on_start is not None:
             on_start(traj)
@@ -182,7 +196,7 @@ class Engine:
         """Record Stage 1's replayed steps, then compute Stage 2 and Stage 3; every step goes to the trajectory
         and to ``on_step``, in order."""
         k1, k2 = start.stage1_steps, start.stage2_steps
-        done = _Denoised(start.x, [], {1: start.seconds, 2: 0.0, 3: 0.0}, list(start.fallback))
+        done = _Denoised(start.x, [], {1: start.seconds, 2: 0.0, 3: 0.0}, list(start.fallback), start.decided)
 
         def record(rec: StepRecord, stat: StepStat) -> None:
             done.stats.append(stat)
@@ -222,6 +236,7 @@ class Engine:
         frames = b.decode(done.x.to(b.device))
         decode_s = time.perf_counter() - t_dec
         n = request.num_steps
+        fallback = run_fallback(run, done.decided, done.fallback)
         out = GenerationOutput(
             request_id=request.request_id,
             frames=frames,
@@ -234,9 +249,11 @@ class Engine:
             stage_seconds=done.stage_seconds,
             encode_seconds=encode_s,
             decode_seconds=decode_s,
-            fallback="; ".join(done.fallback) if done.fallback else None,
+            fallback=fallback.message if fallback else None,
             donor_request_id=run.donor_meta.request_id if run.donor is not None and run.donor_meta else None,
             fps=b.fps,
+            fallback_cause=fallback.cause if fallback else None,
+            donor_gone=fallback.donor_gone if fallback else False,
         )
         logger.info(
             "request %s done: %d/%d steps computed, token fraction %.3f, denoise %.2fs, decode %.2fs%s",
@@ -345,6 +362,7 @@ class Engine:
             run.remember_donor_maps(drec)
         except DONOR_PROBLEMS as exc:
             wait = time.perf_counter() - t_wait
+            run.donor_problem(exc)
             reason = f"step {i}: donor step unavailable ({exc}): computed in full"
             logger.info("request %s: %s", run.request.request_id, reason)
             return self._full_step(run, i, x, stage=2, tgaa=True, fallback=reason, donor_wait=wait)

@@ -3,7 +3,8 @@
 ``DonorUnavailable`` and ``CorruptTrajectory`` are *donor problems*: the engine never fails a request for one,
 it falls back to computing in full and says why in ``GenerationOutput.fallback``. ``IncompatibleDonor`` is
 different: the caller asked for something that can never work (another model, shape, step count or scheduler),
-so the engine refuses and the caller (the worker) decides what to do.
+so the engine refuses it — unless the caller asked it to compute in full instead (``refuse_incompatible=False``,
+what the worker does), when it is one more fallback.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ class DonorError(EngineError):
 
 class DonorUnavailable(DonorError):
     """Donor data cannot be had (not uploaded yet, deleted, timed out). Raised by a ``DonorSource``."""
+
+
+class DonorWaitExpired(DonorUnavailable):
+    """A running leader did not upload what a follower waited for within its wait (or another follower already found
+    it gone): the source stops waiting for that leader."""
 
 
 class DonorMissing(DonorUnavailable):

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from producer.contract import ReusePlan
+from workers.engine.fallback import FallbackCause
 from workers.engine.trajectory import Trajectory
 
 
@@ -44,6 +45,8 @@ class GenerationOutput:
     fallback: str | None  # why (part of) the plan was not followed, if it was not
     donor_request_id: str | None  # the donor actually used (None if none)
     fps: int = 8
+    fallback_cause: FallbackCause | None = None  # what kind of fallback ``fallback`` is
+    donor_gone: bool = False  # the donor proved unusable for good: it should not be offered again
 
     @property
     def denoise_seconds(self) -> float:

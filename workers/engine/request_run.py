@@ -2,7 +2,9 @@
 
 ``RequestRun`` holds what the staged loop needs (text embeddings, scheduler, token grid, the donor and how the two
 prompts differ) and reads the donor's outputs and attention maps for Stage 2; ``resolve_donor`` decides, before
-the first computed step, whether the donor is used and replays its Stage 1. The loop itself is in
+the first computed step, whether the donor is used and replays its Stage 1; ``prefetch_donor`` reads a finished
+donor up front (what the worker does before the model is free), and ``run_fallback`` sums up what the run did not
+reuse (``workers.engine.fallback``). The loop itself is in
 ``workers.engine.engine``; keeping the donor side here lets each be read on its own, the way diffusers keeps a
 pipeline's ``prepare_latents``/``encode_prompt`` helpers apart from its denoising loop.
 """
@@ -12,14 +14,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from producer.contract import GenerationRequest, ReusePlan
 from workers.engine.bundle import ModelBundle, TextEncoding
-from workers.engine.errors import CorruptTrajectory, DonorUnavailable
+from workers.engine.errors import (
+    CorruptTrajectory,
+    DonorMissing,
+    DonorUnavailable,
+    DonorWaitExpired,
+    IncompatibleDonor,
+)
+from workers.engine.fallback import Fallback, FallbackCause
 from workers.engine.masks import map_score, rows_for_positions
 from workers.engine.tokens import TokenDiff, diff_tokens
 from workers.engine.trajectory import DonorSource, StepRecord, TrajectoryMeta, check_compatible
@@ -61,6 +71,13 @@ class RequestRun:
     own_prev_maps: torch.Tensor | None = None
     # (donor map rows, target map rows) of the prompt tokens both requests share
     map_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # whether a donor problem the run computed around was a leader that never came (a follower's wait ran out)
+    waited_out: bool = False
+
+    def donor_problem(self, exc: Exception) -> None:
+        """Note a donor problem the engine computes around."""
+        if isinstance(exc, DonorWaitExpired):
+            self.waited_out = True
 
     @property
     def seq_len(self) -> int:
@@ -142,31 +159,97 @@ class Stage1:
     stage1_steps: int  # k1 and k2 as they will run: 0 when no donor is used
     stage2_steps: int
     fallback: list[str]  # why the plan's reuse was (partly) dropped
+    decided: Fallback | None = None  # the donor dropped before any of its steps was read, and why
+
+
+class PrefetchableSource(DonorSource, Protocol):
+    def prefetch(self, indices: Iterable[int]) -> None:
+        """Download and verify the header and the given steps now (raises what the accessors raise)."""
+
+
+@dataclass(frozen=True)
+class PrefetchedDonor:
+    """A finished donor read up front by ``prefetch_donor``: ``source`` holds everything the plan reads of it, or is
+    None when the donor proved unusable (``fallback`` says why; the request runs in full)."""
+
+    source: DonorSource | None
+    fallback: Fallback | None = None
+
+
+def donor_steps(plan: ReusePlan, num_steps: int) -> range:
+    """The donor steps a plan reads: those of Stages 1 and 2."""
+    return range(min(plan.stage1_steps + plan.stage2_steps, num_steps))
+
+
+def prefetch_donor(
+    donor: PrefetchableSource, plan: ReusePlan, num_steps: int, *, name: str
+) -> PrefetchedDonor:
+    """Read a finished donor's header and every step ``plan`` takes from it now, before the engine runs, so that a
+    donor that is missing, corrupt or unreadable is found out up front and the request runs in full (a missing or
+    corrupt one can never serve again: ``donor_gone``). ``name`` names the donor in the reason."""
+    try:
+        donor.prefetch(donor_steps(plan, num_steps))
+    except DONOR_PROBLEMS as exc:
+        cause = (
+            FallbackCause.DONOR_CORRUPT
+            if isinstance(exc, CorruptTrajectory)
+            else FallbackCause.DONOR_UNAVAILABLE
+        )
+        message = f"donor {name} unusable ({exc}): computed in full"
+        return PrefetchedDonor(
+            None, Fallback(cause, message, isinstance(exc, DonorMissing | CorruptTrajectory))
+        )
+    return PrefetchedDonor(donor)
 
 
 def resolve_donor(
-    run: RequestRun, donor: DonorSource | None, noise: torch.Tensor, bundle: ModelBundle
+    run: RequestRun,
+    donor: DonorSource | PrefetchedDonor | None,
+    noise: torch.Tensor,
+    bundle: ModelBundle,
+    *,
+    refuse_incompatible: bool = True,
 ) -> Stage1:
     """Resolve the donor and Stage 1 before anything is computed.
 
-    Raises ``IncompatibleDonor`` for a donor that can never serve the request; a donor that is unavailable or
-    corrupt before Stage 1 ended is dropped (the request then runs in full from its own noise, on a fresh
-    scheduler) and the reason is in ``Stage1.fallback``.
+    A donor that ``prefetch_donor`` found unusable, or that is unavailable or corrupt before Stage 1 ended, is
+    dropped (the request then runs in full from its own noise, on a fresh scheduler) and the reason is in
+    ``Stage1.fallback``. A donor that can never serve the request raises ``IncompatibleDonor``, or with
+    ``refuse_incompatible=False`` is dropped the same way (and, a finished donor, reported gone).
     """
     fallback: list[str] = []
+    decided: Fallback | None = None
     k1, k2 = run.plan.stage1_steps, run.plan.stage2_steps
     records: list[StepRecord] = []
     x, initial = noise.to(bundle.device), noise
     seconds = 0.0
-    if run.plan.reuses and donor is None:
-        fallback.append("the plan reuses a donor but none was given: computed in full")
+    finished = isinstance(donor, PrefetchedDonor)
+    if isinstance(donor, PrefetchedDonor):
+        decided, donor = donor.fallback, donor.source
+    if decided is not None:
+        fallback.append(decided.message)
+    elif run.plan.reuses and donor is None:
+        decided = Fallback(
+            FallbackCause.NO_DONOR_REF, "the plan reuses a donor but none was given: computed in full"
+        )
+        fallback.append(decided.message)
     elif run.plan.reuses and donor is not None:
         t1 = time.perf_counter()
+        try:
+            adopted = _adopt(run, donor, fallback)
+        except IncompatibleDonor as exc:
+            if refuse_incompatible:
+                raise
+            run.donor_meta, adopted = None, False
+            message = f"incompatible donor ({exc}): computed in full"
+            decided = Fallback(FallbackCause.DONOR_INCOMPATIBLE, message, donor_gone=finished)
+            fallback.append(message)
         # Stage 2 mixes in the donor's outputs, so even with k1 = 0 the run starts from its noise
-        if _adopt(run, donor, fallback) and k1 + k2 > 0:
+        if adopted and k1 + k2 > 0:
             try:
                 initial, x, records = replay_stage1(run, k1, bundle.device)
             except DONOR_PROBLEMS as exc:
+                run.donor_problem(exc)
                 fallback.append(f"donor unavailable before stage 1 ended ({exc}): computed in full")
                 run.donor, run.donor_meta, run.diff = None, None, None
                 run.scheduler = bundle.make_scheduler()
@@ -181,7 +264,19 @@ def resolve_donor(
         )
     for fb in fallback:
         logger.info("request %s: %s", run.request.request_id, fb)
-    return Stage1(initial, x, records, seconds, k1, k2, fallback)
+    return Stage1(initial, x, records, seconds, k1, k2, fallback, decided)
+
+
+def run_fallback(run: RequestRun, decided: Fallback | None, reasons: Sequence[str]) -> Fallback | None:
+    """What the run did not reuse, as one fallback: the donor dropped before any step was read (``decided``), else
+    the donor problems the run computed around (a wait timeout when a leader never came)."""
+    if not reasons:
+        return None
+    message = "; ".join(reasons)
+    if decided is not None:
+        return Fallback(decided.cause, message, decided.donor_gone)
+    cause = FallbackCause.LEADER_WAIT_TIMEOUT if run.waited_out else FallbackCause.DONOR_STEP_UNAVAILABLE
+    return Fallback(cause, message)
 
 
 def _adopt(run: RequestRun, donor: DonorSource, fallback: list[str]) -> bool:
@@ -189,6 +284,7 @@ def _adopt(run: RequestRun, donor: DonorSource, fallback: list[str]) -> bool:
     try:
         run.donor_meta = donor.metadata()
     except DONOR_PROBLEMS as exc:
+        run.donor_problem(exc)
         fallback.append(f"donor metadata unavailable ({exc}): computed in full")
         return False
     check_compatible(run.donor_meta, run.meta)  # IncompatibleDonor propagates: the engine refuses

@@ -21,6 +21,9 @@ from workers.engine import (
     encode_header,
     encode_step,
 )
+from workers.engine.errors import DonorWaitExpired
+from workers.engine.fallback import FallbackCause
+from workers.engine.request_run import prefetch_donor
 
 
 def _unipc() -> UniPCMultistepScheduler:
@@ -173,6 +176,63 @@ def test_missing_donor_is_a_fallback_not_an_error(engine, make_request):
     )
     assert out.fallback is not None and "none was given" in out.fallback
     assert out.steps_computed == 3
+
+
+def test_the_engine_decides_each_fallback_and_names_its_cause(engine, make_request):
+    """What the worker reports comes from the engine: why, what kind, and whether the donor is gone for good."""
+    request = make_request(num_steps=4)
+    full = engine.generate(request, ReusePlan.full(4))
+    plan = ReusePlan(stage1_steps=1, stage2_steps=2, stage3_steps=1)
+
+    class Prefetchable(FlakyDonor):
+        def prefetch(self, indices):
+            self.metadata()
+            for i in indices:
+                self.step(i)
+
+    # A finished donor found unreadable up front is dropped before the model runs: the request runs in full.
+    dropped = prefetch_donor(Prefetchable(full.trajectory, fail_steps=frozenset({2})), plan, 4, name="d-1")
+    assert dropped.source is None and dropped.fallback is not None
+    out = engine.generate(request, plan, donor=dropped)
+    assert out.fallback == "donor d-1 unusable (step 2 not uploaded): computed in full"
+    assert out.fallback_cause is FallbackCause.DONOR_UNAVAILABLE and not out.donor_gone
+    assert out.steps_computed == 4 and out.donor_request_id is None
+    _assert_same_steps(out.trajectory, full.trajectory, range(4))
+    kept = prefetch_donor(Prefetchable(full.trajectory), plan, 4, name="d-1")
+    assert kept.source is not None and kept.fallback is None
+
+    # An incompatible donor, when the caller asks for it, is computed around like any other fallback; a finished
+    # (prefetched) one is gone for good, a running leader is not.
+    other = engine.generate(make_request(num_steps=4, height=32), ReusePlan.full(4))
+    for donor, gone in (
+        (other.trajectory, False),
+        (prefetch_donor(Prefetchable(other.trajectory), plan, 4, name="x"), True),
+    ):
+        out = engine.generate(request, plan, donor=donor, refuse_incompatible=False)
+        assert (
+            out.fallback is not None
+            and out.fallback.startswith("incompatible donor (")
+            and "height" in out.fallback
+        )
+        assert out.fallback_cause is FallbackCause.DONOR_INCOMPATIBLE and out.donor_gone is gone
+        _assert_same_steps(out.trajectory, full.trajectory, range(4))
+
+    # Problems met while the engine ran: a leader whose wait ran out, or a step that could not be read.
+    class Late(FlakyDonor):
+        def step(self, index):
+            if index == 2:
+                raise DonorWaitExpired("step 2 was not uploaded within 1 s")
+            return super().step(index)
+
+    assert (
+        engine.generate(request, plan, donor=Late(full.trajectory)).fallback_cause
+        is FallbackCause.LEADER_WAIT_TIMEOUT
+    )
+    flaky = FlakyDonor(full.trajectory, fail_steps=frozenset({2}))
+    assert engine.generate(request, plan, donor=flaky).fallback_cause is FallbackCause.DONOR_STEP_UNAVAILABLE
+    none = engine.generate(request, plan)
+    assert none.fallback_cause is FallbackCause.NO_DONOR_REF and not none.donor_gone
+    assert engine.generate(request, plan, donor=full.trajectory).fallback_cause is None
 
 
 @pytest.mark.parametrize(
