@@ -42,12 +42,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from chorus_sched.index import DonorStatus
+from producer.metrics_server import Exposition, listen, zero_series
 from producer.orders import Role, all_queues
 
 if TYPE_CHECKING:
@@ -125,16 +125,14 @@ class SchedulerMetrics:
             ["kind"],
             registry=registry,
         )
-        for kind in ("stored", "coalesced"):
-            self.exact_hits.labels(kind=kind)
+        zero_series(self.exact_hits, kind=("stored", "coalesced"))
         self.redispatched = Counter(
             "chorus_orders_lost",
             "Orders whose worker vanished, by what the watchdog did: sent again, or answered failed.",
             ["outcome"],
             registry=registry,
         )
-        for outcome in ("sent_again", "failed"):
-            self.redispatched.labels(outcome=outcome)
+        zero_series(self.redispatched, outcome=("sent_again", "failed"))
         self.index_unavailable = Counter(
             "chorus_index_unavailable",
             "Requests scheduled without reuse (full compute) because the donor index could not be used.",
@@ -234,29 +232,18 @@ class SchedulerMetrics:
         self._initialise_labels()
 
     def _initialise_labels(self) -> None:
-        for role in ROLES:
-            self.requests_accepted.labels(role=role)
-        for reason in REJECT_REASONS:
-            self.requests_rejected.labels(reason=reason)
-            self.dead_lettered.labels(reason=reason)
-        for cause in RETRY_CAUSES:
-            self.retries.labels(cause=cause)
-        for outcome in LOOKUP_OUTCOMES:
-            self.donor_lookups.labels(outcome=outcome)
-        for role in (Role.SOLO, Role.FOLLOWER):
-            self.donor_similarity.labels(role=role)
-        for phase in SCHEDULER_PHASES:
-            self.phase_seconds.labels(phase=phase)
-        for status in RESULT_STATUSES:
-            self.results.labels(status=status)
-        for status in ENTRY_STATUSES:
-            self.cache_entries.labels(status=status)
-        for reason in EVICTION_REASONS:
-            self.evictions.labels(reason=reason)
-        for consumer in CONSUMERS:
-            self.consumer_lag.labels(consumer=consumer)
-        for queue in all_queues():
-            self.queue_length.labels(queue=queue)
+        zero_series(self.requests_accepted, role=ROLES)
+        zero_series(self.requests_rejected, reason=REJECT_REASONS)
+        zero_series(self.dead_lettered, reason=REJECT_REASONS)
+        zero_series(self.retries, cause=RETRY_CAUSES)
+        zero_series(self.donor_lookups, outcome=LOOKUP_OUTCOMES)
+        zero_series(self.donor_similarity, role=(Role.SOLO, Role.FOLLOWER))
+        zero_series(self.phase_seconds, phase=SCHEDULER_PHASES)
+        zero_series(self.results, status=RESULT_STATUSES)
+        zero_series(self.cache_entries, status=ENTRY_STATUSES)
+        zero_series(self.evictions, reason=EVICTION_REASONS)
+        zero_series(self.consumer_lag, consumer=CONSUMERS)
+        zero_series(self.queue_length, queue=all_queues())
 
     # ------------------------------------------------------------------------------------------ call sites
     @contextmanager
@@ -421,12 +408,6 @@ class QueueSampler:
 # ------------------------------------------------------------------------------------------- exposition
 
 
-@dataclass
-class Exposition:
-    port: int
-    close: Callable[[], None]
-
-
 def serve(settings: SchedulerSettings, *, addr: str = "0.0.0.0") -> Exposition | None:
     """Serve ``/metrics`` on ``settings.metrics_port`` (0: not at all) and start the queue sampler."""
     if settings.metrics_port == 0:
@@ -434,25 +415,18 @@ def serve(settings: SchedulerSettings, *, addr: str = "0.0.0.0") -> Exposition |
         return None
     from producer.broker import app_for_broker
 
-    try:
-        server, thread = start_http_server(settings.metrics_port, addr=addr)
-    except OSError as exc:
-        # Not fatal: the scheduler still serves, and Prometheus reports the missing target (up == 0).
-        log.error(
-            "metrics not exposed: cannot listen", extra={"port": settings.metrics_port, "error": repr(exc)}
-        )
+    endpoint = listen(settings.metrics_port, addr=addr)
+    if endpoint is None:
         return None
     METRICS.cache_budget.set(settings.cache_budget_bytes)
     queues = all_queues()
     app = app_for_broker(settings.broker_url, state_dir=settings.state_dir)
     sampler = QueueSampler(lambda: queue_lengths(app, queues)).start()
-    log.info("metrics exposed", extra={"port": server.server_port, "addr": addr})
+    log.info("metrics exposed", extra={"port": endpoint.port, "addr": addr})
 
     def close() -> None:
         sampler.stop()
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+        endpoint.close()
         app.close()
 
-    return Exposition(port=int(server.server_port), close=close)
+    return Exposition(port=endpoint.port, close=close)

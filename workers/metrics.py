@@ -53,17 +53,17 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from producer.catalog import CATALOG
+from producer.metrics_server import Exposition, listen, zero_series
 from producer.orders import Role
 from workers.engine.fallback import FallbackCause
 from workers.failures import FailureCode
@@ -212,28 +212,21 @@ class WorkerMetrics:
 
     def _initialise_labels(self) -> None:
         models = [*sorted(CATALOG), UNKNOWN_MODEL]
-        for model in models:
-            for role in ROLES:
-                for status in STATUSES:
-                    for reuse in REUSE:
-                        self.requests.labels(model=model, role=role, status=status, reuse=reuse)
-            self.steps_requested.labels(model=model)
-            self.steps_computed.labels(model=model)
-            self.token_steps_computed.labels(model=model)
-            self.model_load_seconds.labels(model=model)
-            self.models_loaded.labels(model=model)
-        for code in FAILURE_CODES:
-            self.failures.labels(code=code)
-        for phase in PHASES:
-            self.phase_seconds.labels(phase=phase)
-        for stage in STAGES:
-            self.stage_seconds.labels(stage=stage)
-        for status in STATUSES:
-            self.request_seconds.labels(status=status)
-        for role in ROLES:
-            self.tokens_fraction.labels(role=role)
-        for cause in FALLBACK_CAUSES:
-            self.fallbacks.labels(cause=cause)
+        zero_series(self.requests, model=models, role=ROLES, status=STATUSES, reuse=REUSE)
+        for per_model in (
+            self.steps_requested,
+            self.steps_computed,
+            self.token_steps_computed,
+            self.model_load_seconds,
+            self.models_loaded,
+        ):
+            zero_series(per_model, model=models)
+        zero_series(self.failures, code=FAILURE_CODES)
+        zero_series(self.phase_seconds, phase=PHASES)
+        zero_series(self.stage_seconds, stage=STAGES)
+        zero_series(self.request_seconds, status=STATUSES)
+        zero_series(self.tokens_fraction, role=ROLES)
+        zero_series(self.fallbacks, cause=FALLBACK_CAUSES)
 
 
 _METRICS: WorkerMetrics | None = None
@@ -424,13 +417,6 @@ def on_process_exit(pid: int | None = None, **_: Any) -> None:
 # ------------------------------------------------------------------------------------------- exposition
 
 
-@dataclass
-class Exposition:
-    port: int
-    path: Path
-    close: Callable[[], None]
-
-
 def serve(settings: WorkerSettings, *, slots_in_main: int = 0, addr: str = "0.0.0.0") -> Exposition | None:
     """Enable multiprocess mode and serve ``/metrics`` on ``settings.metrics_port`` from this (main) process.
 
@@ -442,25 +428,11 @@ def serve(settings: WorkerSettings, *, slots_in_main: int = 0, addr: str = "0.0.
         log.info("metrics not exposed (metrics_port is 0)")
         return None
     path = enable_multiprocess()
-    try:
-        server, thread = start_http_server(
-            settings.metrics_port, addr=addr, registry=multiprocess_registry(path)
-        )
-    except OSError as exc:
-        log.error(
-            "metrics not exposed: cannot listen", extra={"port": settings.metrics_port, "error": repr(exc)}
-        )
+    endpoint = listen(settings.metrics_port, addr=addr, registry=multiprocess_registry(path))
+    if endpoint is None:
         return None
     m = metrics()
     if slots_in_main:
         m.pool_slots.set(slots_in_main)
-    log.info(
-        "metrics exposed", extra={"port": server.server_port, "addr": addr, "multiprocess_dir": str(path)}
-    )
-
-    def close() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
-
-    return Exposition(port=int(server.server_port), path=path, close=close)
+    log.info("metrics exposed", extra={"port": endpoint.port, "addr": addr, "multiprocess_dir": str(path)})
+    return Exposition(port=endpoint.port, close=endpoint.close, path=path)

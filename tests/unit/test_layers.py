@@ -5,8 +5,8 @@ below allows, and no project modules import each other around a loop.
 The layer map, bottom to top (``x.*`` is ``x`` and everything under it):
 
 ============  ===================================================================================================
-kernel        ``producer.{contract,catalog,settings,bus,logs,readiness}`` and the scheduler→worker contract
-              ``producer.orders`` (orders, queue routing, object-store key layout) with its Celery side
+kernel        ``producer.{contract,catalog,settings,bus,logs,readiness,metrics_server}`` and the scheduler→worker
+              contract ``producer.orders`` (orders, queue routing, object-store key layout) with its Celery side
               ``producer.broker``. Imports only the kernel.
 engine        ``workers.engine.*`` and the model code its registry loads by name (``workers.toy.model``, with the
               toy world and its checker). Imports only ``producer.contract``, ``producer.catalog`` and the engine.
@@ -55,6 +55,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "producer.bus",
         "producer.logs",
         "producer.readiness",
+        "producer.metrics_server",
         "producer.orders",
         "producer.broker",
     ),
