@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import typer
+
+log = logging.getLogger(__name__)
 
 
 def scheduler() -> None:
@@ -11,7 +15,6 @@ def scheduler() -> None:
     Configured by environment (CHORUS_*, see chorus_sched/settings.py). Stops cleanly on SIGTERM or SIGINT:
     the batch in hand is finished and committed, then the consumers leave their groups.
     """
-    import logging
     import os
     import signal
     import threading
@@ -48,7 +51,7 @@ def scheduler() -> None:
         typer.echo(f"calibration table rejected: {exc}", err=True)
         raise typer.Exit(code=2) from None
     except Exception as exc:
-        logging.getLogger("chorus_sched").critical("scheduler stopped on an error", exc_info=exc)
+        log.critical("scheduler stopped on an error", exc_info=exc)
         typer.echo(f"scheduler stopped on an error: {exc!r}", err=True)
         raise typer.Exit(code=1) from None
     finally:

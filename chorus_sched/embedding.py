@@ -3,7 +3,7 @@
 Cosine similarity of sentence embeddings says how close two prompts are *overall*; it cannot say whether the
 words that differ matter ("a red circle …" vs "a blue circle …" scores 0.84 with MiniLM, yet a donor of the
 other color commits the wrong color early in the trajectory). So the planner looks at both: the similarity
-and ``token_diff``, which names the words of each prompt that the other does not have.
+and ``word_diff``, which names the words of each prompt that the other does not have.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def words(text: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class TokenDiff:
+class WordDiff:
     """Words of each prompt that the other does not have, aligned in order (a longest common subsequence).
 
     Order matters on purpose: "red circle on a blue background" and "blue circle on a red background" have the
@@ -199,13 +199,13 @@ def _aligned_pairs(a: Sequence[str], b: Sequence[str]) -> list[tuple[int, int]]:
     return pairs
 
 
-def token_diff(donor_prompt: str, target_prompt: str) -> TokenDiff:
+def word_diff(donor_prompt: str, target_prompt: str) -> WordDiff:
     donor = words(donor_prompt)
     target = words(target_prompt)
     pairs = _aligned_pairs(donor, target)
     donor_matched = {i for i, _ in pairs}
     target_matched = {j for _, j in pairs}
-    return TokenDiff(
+    return WordDiff(
         donor_words=tuple(donor),
         target_words=tuple(target),
         donor_positions=tuple(i for i in range(len(donor)) if i not in donor_matched),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from chorus_sched.embedding import TokenDiff, token_diff
+from chorus_sched.embedding import WordDiff, word_diff
 from chorus_sched.planner import PlanChoice, Planner, estimated_steps_saved
 from producer.contract import GenerationRequest, ReusePlan, ReusePolicy
 from producer.orders import Role
@@ -33,7 +33,7 @@ class Candidate:
 @dataclass(frozen=True)
 class Considered:
     candidate: Candidate
-    diff: TokenDiff
+    diff: WordDiff
     choice: PlanChoice
 
     def summary(self) -> dict[str, object]:
@@ -87,7 +87,7 @@ def decide(
         Considered(c, diff, planner.plan(c.similarity, diff, n))
         for c in candidates
         if c.request_id != request.request_id
-        for diff in (token_diff(c.prompt, request.prompt),)
+        for diff in (word_diff(c.prompt, request.prompt),)
     ]
     accepted = [c for c in considered if c.choice.reuses]
     if accepted:

@@ -27,7 +27,7 @@ from typing import Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from chorus_sched.embedding import TokenDiff
+from chorus_sched.embedding import WordDiff
 from producer.contract import ReusePlan
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class Planner:
         self.table = table
         self.ignorable = frozenset(w.casefold() for w in table.ignorable_words)
 
-    def plan(self, similarity: float, diff: TokenDiff, num_steps: int) -> PlanChoice:
+    def plan(self, similarity: float, diff: WordDiff, num_steps: int) -> PlanChoice:
         regime = self.table.regime_for(num_steps)
         changes = diff.content_changes(self.ignorable)
         for row in regime.rows:

@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 VideoFormat = Literal["mp4", "gif"]
 FORMATS: tuple[VideoFormat, ...] = ("mp4", "gif")
@@ -74,7 +74,7 @@ def encode_video(frames: np.ndarray, fmt: str = "mp4", fps: int = 8) -> bytes:
         data = _encode_gif(frames, fps)
     else:
         raise ValueError(f"unknown video format {fmt!r} (known: {', '.join(FORMATS)})")
-    logger.debug("encoded %s frames as %s: %d bytes", frames.shape, fmt, len(data))
+    log.debug("frames encoded", extra={"frames": list(frames.shape), "format": fmt, "bytes": len(data)})
     return data
 
 

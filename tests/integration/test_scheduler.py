@@ -27,7 +27,7 @@ from kafka.structs import TopicPartition
 from kombu import Queue
 
 from chorus_sched.dispatch import Dispatcher
-from chorus_sched.embedding import HashingEmbedder, token_diff
+from chorus_sched.embedding import HashingEmbedder, word_diff
 from chorus_sched.planner import Planner, load_calibration
 from chorus_sched.service import Scheduler, build_scheduler, run
 from chorus_sched.settings import SchedulerSettings
@@ -396,7 +396,7 @@ def test_similar_requests_group_then_a_finished_donor_is_reused_and_its_hits_cou
     assert f.donor.trajectory_prefix == "trajectories/lead/"
     assert f.donor.wait_s == harness.settings.follower_wait_s > 0
     # same prompt, 4 steps: the shipped table's plan for an identical prompt
-    shipped = Planner(load_calibration()).plan(1.0, token_diff(PROMPT, PROMPT), 4).plan
+    shipped = Planner(load_calibration()).plan(1.0, word_diff(PROMPT, PROMPT), 4).plan
     assert shipped.stage1_steps > 0
     assert (f.plan.stage1_steps, f.plan.stage2_steps, f.plan.stage3_steps) == (
         shipped.stage1_steps,

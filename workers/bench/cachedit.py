@@ -40,7 +40,7 @@ from workers.engine.trajectory import DonorSource
 # cache-dit logs INFO to stdout by default; the benchmark's stdout is JSON.
 os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "WARNING")
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _ids = itertools.count()
 
@@ -209,11 +209,9 @@ class CacheDiTEngine:
             residual_diffs=diffs,
         )
         if not run.skips_verified:
-            logger.warning(
-                "cache-dit accounting mismatch: %d block calls counted, %d expected from %d cached steps",
-                run.block_calls,
-                expected,
-                len(cached),
+            log.warning(
+                "cache-dit accounting mismatch",
+                extra={"block_calls": run.block_calls, "expected": expected, "cached_steps": len(cached)},
             )
         return run
 

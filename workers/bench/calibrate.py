@@ -150,7 +150,9 @@ def route(rows: Sequence[RowSpec], similarity: float, changes: int) -> RowSpec |
 
 
 @dataclass(frozen=True)
-class Candidate:
+class CandidatePlan:
+    """A plan the calibration tries for a row: stage lengths in steps, α and mask threshold."""
+
     k1: int
     k2: int
     alpha: float = 1.0
@@ -179,20 +181,20 @@ def candidates(
     k2_fractions: Sequence[float],
     alphas: Sequence[float],
     thresholds: Sequence[float],
-) -> list[Candidate]:
+) -> list[CandidatePlan]:
     """Every distinct plan of the grid that reuses and leaves Stage 3 at least one step, largest possible saving
     first."""
     k1s = sorted({math.floor(f * num_steps + 1e-9) for f in k1_fractions})
     k2s = sorted({math.floor(f * num_steps + 1e-9) for f in k2_fractions})
-    out: set[Candidate] = set()
+    out: set[CandidatePlan] = set()
     for k1 in k1s:
         for k2 in k2s:
             if k1 + k2 == 0 or k1 + k2 >= num_steps:
                 continue
             if k2 == 0:
-                out.add(Candidate(k1, 0))
+                out.add(CandidatePlan(k1, 0))
             else:
-                out.update(Candidate(k1, k2, a, t) for a in alphas for t in thresholds)
+                out.update(CandidatePlan(k1, k2, a, t) for a in alphas for t in thresholds)
     return sorted(out, key=lambda c: (-saving_bound(c, num_steps), -c.k1, -c.threshold, c.alpha))
 
 
@@ -206,7 +208,7 @@ def fraction(k: int, num_steps: int) -> float:
 
 @dataclass
 class Trial:
-    candidate: Candidate
+    candidate: CandidatePlan
     evaluated: int
     wrong: int
     allowed_wrong: int
@@ -243,19 +245,19 @@ def allowed_wrong(baseline: Sequence[bool], tolerance: float) -> int:
     return sum(1 for b in baseline if not b) + math.floor(tolerance * len(baseline) + 1e-9)
 
 
-def saving_bound(candidate: Candidate, num_steps: int, min_active_fraction: float = 0.05) -> float:
+def saving_bound(candidate: CandidatePlan, num_steps: int, min_active_fraction: float = 0.05) -> float:
     """The most compute a candidate can save: all of Stage 1, and Stage 2 down to its minimum active fraction."""
     return (candidate.k1 + candidate.k2 * (1.0 - min_active_fraction)) / num_steps
 
 
 def sweep(
     num_steps: int,
-    grid: Sequence[Candidate],
+    grid: Sequence[CandidatePlan],
     baseline: Sequence[bool],
     evaluate: EvalFn,
     tolerance: float = 0.01,
     on_trial: Callable[[Trial], None] | None = None,
-) -> tuple[Candidate | None, list[Trial]]:
+) -> tuple[CandidatePlan | None, list[Trial]]:
     """The candidate that saves the most measured compute (1 − computed-token fraction) among those within
     ``tolerance`` of no reuse (``baseline[i]``: item i correct without reuse), or None.
 
@@ -264,7 +266,7 @@ def sweep(
     limit = allowed_wrong(baseline, tolerance)
     order = sorted(grid, key=lambda c: (-saving_bound(c, num_steps), -c.k1, -c.threshold, c.alpha))
     trials: list[Trial] = []
-    best: Candidate | None = None
+    best: CandidatePlan | None = None
     best_saving = -1.0
     for cand in order:
         if saving_bound(cand, num_steps) <= best_saving + 1e-12:
@@ -328,7 +330,7 @@ def regime_bounds(steps: Sequence[int]) -> list[tuple[str, int, int]]:
 
 
 def table_row(
-    spec: RowSpec, num_steps: int, chosen: Candidate | None, measured: dict[str, float] | None
+    spec: RowSpec, num_steps: int, chosen: CandidatePlan | None, measured: dict[str, float] | None
 ) -> CalibrationRow:
     if chosen is None:
         return CalibrationRow(

@@ -31,13 +31,15 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 FRACTIONS = (0.25, 0.5)
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class EngineWorkload:
+    """One workload of ``chorus bench engine``: a model shape (frames, size) and its guidance scale."""
+
     name: str
     description: str
     num_frames: int
@@ -46,9 +48,9 @@ class BenchConfig:
     guidance_scale: float
 
 
-CONFIGS: dict[str, BenchConfig] = {
-    "tiny": BenchConfig("tiny", "tiny-random-wan at its catalog default shape", 8, 32, 32, 1.0),
-    "mid": BenchConfig(
+CONFIGS: dict[str, EngineWorkload] = {
+    "tiny": EngineWorkload("tiny", "tiny-random-wan at its catalog default shape", 8, 32, 32, 1.0),
+    "mid": EngineWorkload(
         "mid",
         "Wan2.1-1.3B width (12 heads x 128, ffn 8960, 4096-d text, 512 text tokens), 2 blocks, CFG 5",
         4,
@@ -135,7 +137,7 @@ class _RequestTimes:
 
 def _time_requests(
     engine: Any,
-    config: BenchConfig,
+    config: EngineWorkload,
     requests: tuple[Any, Any],
     steps: int,
     repeats: int,
@@ -243,7 +245,7 @@ def _time_plain_forward(
     return plain
 
 
-def _describe(config: BenchConfig, bundle: Any, meta: Any, batch: int, steps: int) -> dict[str, Any]:
+def _describe(config: EngineWorkload, bundle: Any, meta: Any, batch: int, steps: int) -> dict[str, Any]:
     """The report's ``transformer`` and ``request`` sections: what was timed."""
     cfg_t = bundle.transformer.config
     return {
@@ -306,7 +308,7 @@ def _srd_rows(
 
 
 def run_config(
-    config: BenchConfig,
+    config: EngineWorkload,
     *,
     steps: int = 4,
     repeats: int = 3,

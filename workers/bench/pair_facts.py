@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from chorus_sched.embedding import MiniLMEmbedder, token_diff
+from chorus_sched.embedding import MiniLMEmbedder, word_diff
 from chorus_sched.planner import Planner
 from workers.bench.pairs import Pair
 
@@ -33,7 +33,7 @@ def pair_facts(pairs: Sequence[Pair], ignorable: Sequence[str]) -> list[PairFact
     out = []
     for p in pairs:
         sim = float(np.clip(vectors[p.donor_prompt] @ vectors[p.target.prompt], -1.0, 1.0))
-        out.append(PairFacts(p, sim, token_diff(p.donor_prompt, p.target.prompt).content_changes(ign)))
+        out.append(PairFacts(p, sim, word_diff(p.donor_prompt, p.target.prompt).content_changes(ign)))
     return out
 
 
@@ -59,7 +59,7 @@ def class_report(infos: Sequence[PairFacts], planner: Planner | None, steps: Seq
         if planner is not None:
             for n in steps:
                 chosen = Counter(
-                    planner.plan(i.similarity, token_diff(i.pair.donor_prompt, i.pair.target.prompt), n).row
+                    planner.plan(i.similarity, word_diff(i.pair.donor_prompt, i.pair.target.prompt), n).row
                     or "none"
                     for i in group
                 )

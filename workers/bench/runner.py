@@ -66,7 +66,7 @@ def plan_dict(plan: ReusePlan) -> dict[str, Any]:
     }
 
 
-class Runner:
+class QualityRunner:
     """A bundle, its engine and a block meter; ``run`` makes one request and checks it."""
 
     def __init__(self, bundle: ModelBundle, guidance: float, judge: Sequence[str] = ATTRIBUTE_NAMES) -> None:

@@ -38,7 +38,7 @@ from workers.bench import calibrate as cal
 from workers.bench.cachedit import CacheDiTEngine, CacheDiTSettings
 from workers.bench.pair_facts import class_report, pair_facts
 from workers.bench.pairs import PAIR_CLASSES, Pair, eval_targets, make_pairs
-from workers.bench.runner import Outcome, Runner
+from workers.bench.runner import Outcome, QualityRunner
 from workers.bench.suite_calibration import Calibration
 from workers.bench.suite_rows import PROBE_K1, PROBE_K2, StepCountBench
 from workers.engine.bundle import ModelBundle
@@ -61,7 +61,7 @@ __all__ = [
     "run",
 ]
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 FORMAT = "chorus-bench-quality/1"
 ROW_KINDS: tuple[str, ...] = ("no-reuse", "chorus", "tgaa", "cachedit", "chorus-cachedit", "sheet")
@@ -148,7 +148,7 @@ class Suite:
     def __init__(self, config: BenchConfig, progress: Progress) -> None:
         self.cfg = config
         self.progress = progress
-        self.runner = Runner(config.load_bundle(), config.guidance, config.judge)
+        self.runner = QualityRunner(config.load_bundle(), config.guidance, config.judge)
         self._cached: dict[tuple[int, int], CacheDiTEngine] = {}
 
     def close(self) -> None:

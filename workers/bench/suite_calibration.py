@@ -196,7 +196,7 @@ class Calibration:
 
     def sweep(
         self, spec: cal.RowSpec, items: list[PairFacts], baseline: list[bool], n: int
-    ) -> tuple[cal.Candidate | None, list[cal.Trial]]:
+    ) -> tuple[cal.CandidatePlan | None, list[cal.Trial]]:
         """Generate the row's donors, then try the candidate plans on its pairs (the donors are dropped on
         return, before the next row generates its own)."""
         progress, runner = self.suite.progress, self.suite.runner

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from chorus_sched.embedding import token_diff
+from chorus_sched.embedding import word_diff
 from chorus_sched.planner import Planner
 from producer.contract import ReusePlan
 from workers.bench.contact import SheetGroup, SheetRow, write_sheet
@@ -209,7 +209,7 @@ class StepCountBench:
         """One target of the class: its donor (once), then each wanted row's request."""
         n, t = self.n, info.pair.target
         keep = t.index in self.sheet_targets and cls == SHEET_CLASSES[t.index % len(SHEET_CLASSES)]
-        choice = self.planner.plan(info.similarity, token_diff(info.pair.donor_prompt, t.prompt), n)
+        choice = self.planner.plan(info.similarity, word_diff(info.pair.donor_prompt, t.prompt), n)
         plan = choice.plan
         rows.plans[plan_label(plan)] += 1
         needs_donor = plan.reuses or run_probe

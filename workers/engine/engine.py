@@ -42,7 +42,7 @@ from workers.engine.trajectory import DonorSource, StepRecord, Trajectory, Traje
 # this module for them.
 __all__ = ["Engine", "GenerationOutput", "StepStat", "instrument", "scheduler_hash", "uninstrument"]
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 def scheduler_hash(scheduler: Any) -> str:
@@ -255,15 +255,17 @@ class Engine:
             fallback_cause=fallback.cause if fallback else None,
             donor_gone=fallback.donor_gone if fallback else False,
         )
-        logger.info(
-            "request %s done: %d/%d steps computed, token fraction %.3f, denoise %.2fs, decode %.2fs%s",
-            request.request_id,
-            out.steps_computed,
-            n,
-            out.tokens_computed_fraction,
-            out.denoise_seconds,
-            decode_s,
-            f", fallback: {out.fallback}" if out.fallback else "",
+        log.info(
+            "request denoised",
+            extra={
+                "request_id": request.request_id,
+                "steps_computed": out.steps_computed,
+                "steps_requested": n,
+                "tokens_computed_fraction": round(out.tokens_computed_fraction, 3),
+                "denoise_s": round(out.denoise_seconds, 2),
+                "decode_s": round(decode_s, 2),
+                "fallback": out.fallback,
+            },
         )
         return out
 
@@ -340,12 +342,9 @@ class Engine:
         stat = StepStat(
             i, stage, float(t), 1.0, True, amplified, time.perf_counter() - t0, donor_wait, fallback
         )
-        logger.debug(
-            "request %s step %d stage %d: full%s",
-            run.request.request_id,
-            i,
-            stage,
-            " +TGAA" if amplified else "",
+        log.debug(
+            "step computed in full",
+            extra={"request_id": run.request.request_id, "step": i, "stage": stage, "tgaa": amplified},
         )
         run.own_prev_maps = rec.attn_maps
         return x, rec, stat
@@ -364,7 +363,7 @@ class Engine:
             wait = time.perf_counter() - t_wait
             run.donor_problem(exc)
             reason = f"step {i}: donor step unavailable ({exc}): computed in full"
-            logger.info("request %s: %s", run.request.request_id, reason)
+            log.info("donor fallback", extra={"request_id": run.request.request_id, "fallback": reason})
             return self._full_step(run, i, x, stage=2, tgaa=True, fallback=reason, donor_wait=wait)
         wait = time.perf_counter() - t_wait
 
@@ -397,15 +396,17 @@ class Engine:
             active_fraction=fraction,
         )
         run.own_prev_maps = own_maps
-        logger.debug(
-            "request %s step %d stage 2: mask %d/%d tokens (%.3f)%s%s",
-            run.request.request_id,
-            i,
-            n_active,
-            s_len,
-            fraction,
-            " +TGAA" if amplified else "",
-            " (no score: all allowed)" if score is None else "",
+        log.debug(
+            "stage 2 step computed on its mask",
+            extra={
+                "request_id": run.request.request_id,
+                "step": i,
+                "tokens_computed": n_active,
+                "tokens": s_len,
+                "active_fraction": round(fraction, 3),
+                "tgaa": amplified,
+                "scored": score is not None,  # no score yet: every token allowed
+            },
         )
         stat = StepStat(i, 2, float(t), fraction, n_active > 0, amplified, time.perf_counter() - t0, wait)
         return x, rec, stat

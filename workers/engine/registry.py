@@ -34,7 +34,7 @@ from producer.catalog import CATALOG, ModelSpec
 from workers.engine.bundle import ModelBundle, TextEncoding
 from workers.engine.errors import ModelUnavailable
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 DeviceLike = str | torch.device
 DTypeLike = str | torch.dtype
@@ -401,5 +401,5 @@ def load_bundle(
     loader = LOADERS.get(name)
     if loader is None:
         raise ModelUnavailable(f"unknown model {name!r} (known: {', '.join(sorted(LOADERS))})")
-    logger.info("loading model %s on %s (%s)", name, device, dtype)
+    log.info("loading model", extra={"model": name, "device": str(device), "dtype": str(dtype)})
     return loader(device, dtype, wan21_dir=wan21_dir, toy_weights_dir=toy_weights_dir)

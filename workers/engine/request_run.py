@@ -34,8 +34,7 @@ from workers.engine.masks import map_score, rows_for_positions
 from workers.engine.tokens import TokenDiff, diff_tokens
 from workers.engine.trajectory import DonorSource, StepRecord, TrajectoryMeta, check_compatible
 
-# Logged under the engine's name: these lines were always part of the engine's per-request log.
-logger = logging.getLogger("workers.engine.engine")
+log = logging.getLogger(__name__)
 
 # Donor problems that only make the engine compute more (``IncompatibleDonor`` is not one: it refuses the request).
 DONOR_PROBLEMS = (DonorUnavailable, CorruptTrajectory)
@@ -263,7 +262,7 @@ def resolve_donor(
             run.meta, initial_from=run.donor_meta.request_id if run.donor_meta else None
         )
     for fb in fallback:
-        logger.info("request %s: %s", run.request.request_id, fb)
+        log.info("donor fallback", extra={"request_id": run.request.request_id, "fallback": fb})
     return Stage1(initial, x, records, seconds, k1, k2, fallback, decided)
 
 
@@ -290,12 +289,14 @@ def _adopt(run: RequestRun, donor: DonorSource, fallback: list[str]) -> bool:
     check_compatible(run.donor_meta, run.meta)  # IncompatibleDonor propagates: the engine refuses
     run.donor = donor
     run.diff = diff_tokens(run.donor_meta.token_ids, run.donor_meta.valid, run.cond.token_ids, run.cond.valid)
-    logger.info(
-        "request %s: donor %s, differing tokens donor=%s target=%s",
-        run.request.request_id,
-        run.donor_meta.request_id,
-        [run.donor_meta.tokens[p] for p in run.diff.donor_positions],
-        [run.cond.tokens[p] for p in run.diff.target_positions],
+    log.info(
+        "donor adopted",
+        extra={
+            "request_id": run.request.request_id,
+            "donor": run.donor_meta.request_id,
+            "donor_tokens": [run.donor_meta.tokens[p] for p in run.diff.donor_positions],
+            "target_tokens": [run.cond.tokens[p] for p in run.diff.target_positions],
+        },
     )
     return True
 
@@ -326,5 +327,5 @@ def replay_stage1(
                 active_fraction=0.0,
             )
         )
-    logger.info("request %s: stage 1 reused %d donor steps", run.request.request_id, k1)
+    log.info("stage 1 replayed from the donor", extra={"request_id": run.request.request_id, "steps": k1})
     return initial, x, records

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 HEAD_HOOK = "chorus_srd_head"
 ROPE_HOOK = "chorus_srd_rope"
@@ -176,7 +176,7 @@ def apply_srd_hooks(transformer: Any, ctx: SRDContext) -> None:
     text_embedder = transformer.condition_embedder.text_embedder
     HookRegistry.check_if_exists_or_initialize(text_embedder).register_hook(_TextCacheHook(ctx), TEXT_HOOK)
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
-    logger.debug("SRD hooks applied to %d blocks", len(blocks))
+    log.debug("SRD hooks applied", extra={"blocks": len(blocks)})
 
 
 def remove_srd_hooks(transformer: Any) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _MAP_CHUNK_ELEMENTS = 32 * 1024 * 1024
 
@@ -203,7 +203,7 @@ def install_cross_attn_processors(transformer: Any, state: CrossAttnState) -> di
     if not previous:
         raise ValueError("transformer has no blocks.N.attn2 cross-attention")
     transformer.set_attn_processor(current)
-    logger.debug("TGAA processors installed on %d cross-attention layers", len(previous))
+    log.debug("TGAA processors installed", extra={"cross_attention_layers": len(previous)})
     return previous
 
 

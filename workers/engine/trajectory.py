@@ -39,7 +39,7 @@ from safetensors.torch import save as st_save
 
 from workers.engine.errors import CorruptTrajectory, DonorUnavailable, IncompatibleDonor
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 StorageDType = Literal["float32", "float16"]
 FORMAT_VERSION = 1

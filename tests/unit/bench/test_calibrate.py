@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chorus_sched.embedding import MiniLMEmbedder, token_diff
+from chorus_sched.embedding import MiniLMEmbedder, word_diff
 from chorus_sched.planner import Planner, load_calibration, write_calibration
 from producer.contract import ReusePlan
 from workers.bench import calibrate as cal
@@ -33,7 +33,7 @@ def _facts() -> list[cal.PairFacts]:
     for i, p in enumerate(make_pairs(eval_targets(12))):
         sim = SIMILARITY[p.pair_class] - 0.01 * (i % 3)
         out.append(
-            cal.PairFacts(p, sim, token_diff(p.donor_prompt, p.target.prompt).content_changes(ignorable))
+            cal.PairFacts(p, sim, word_diff(p.donor_prompt, p.target.prompt).content_changes(ignorable))
         )
     return out
 
@@ -118,11 +118,11 @@ def test_fractions_round_trip_through_the_planner_floor() -> None:
 
 def test_candidates_largest_possible_saving_first() -> None:
     grid = cal.candidates(4, *cal.default_grid(4))
-    assert grid[0] == cal.Candidate(3, 0)
+    assert grid[0] == cal.CandidatePlan(3, 0)
     assert all(c.k1 + c.k2 < 4 and c.k1 + c.k2 > 0 for c in grid)
     bounds = [cal.saving_bound(c, 4) for c in grid]
     assert bounds == sorted(bounds, reverse=True)
-    assert cal.saving_bound(cal.Candidate(1, 2), 4) == (1 + 2 * 0.95) / 4
+    assert cal.saving_bound(cal.CandidatePlan(1, 2), 4) == (1 + 2 * 0.95) / 4
     assert len(set(grid)) == len(grid)
     assert {c.alpha for c in grid if c.k2} == {1.0, 2.0, 4.0}
 
@@ -130,11 +130,11 @@ def test_candidates_largest_possible_saving_first() -> None:
 def test_sweep_picks_the_largest_measured_saving_within_tolerance() -> None:
     n = 4
     grid = [
-        cal.Candidate(1, 0),
-        cal.Candidate(2, 0),
-        cal.Candidate(0, 3, 1.0),
-        cal.Candidate(1, 2, 2.0),
-        cal.Candidate(3, 0),
+        cal.CandidatePlan(1, 0),
+        cal.CandidatePlan(2, 0),
+        cal.CandidatePlan(0, 3, 1.0),
+        cal.CandidatePlan(1, 2, 2.0),
+        cal.CandidatePlan(3, 0),
     ]
     baseline = [True] * 18 + [False] * 2
     tried: list[tuple[int, int]] = []
@@ -158,7 +158,7 @@ def test_sweep_picks_the_largest_measured_saving_within_tolerance() -> None:
     chosen, trials = cal.sweep(n, grid, baseline, evaluate, tolerance=0.01)
     # bounds: (3,0) .75, (1,2) .725, (0,3) .7125, (2,0) .5 — (1,2) passes and saves .5, (0,3) passes but saves
     # .375, and nothing after (0,3) could save more than .5
-    assert chosen == cal.Candidate(1, 2, 2.0)
+    assert chosen == cal.CandidatePlan(1, 2, 2.0)
     assert tried == [(3, 0), (1, 2), (0, 3)]
     assert [t.passed for t in trials] == [False, True, True]
     assert trials[0].stopped_early and trials[0].evaluated == 6 and trials[0].wrong == 3
@@ -171,7 +171,7 @@ def test_sweep_rejects_at_the_end_without_stopping_early() -> None:
     def evaluate(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
         return baseline[i] and i != 17, 2, 0.5, 0.5
 
-    chosen, [trial] = cal.sweep(4, [cal.Candidate(2, 0)], baseline, evaluate)
+    chosen, [trial] = cal.sweep(4, [cal.CandidatePlan(2, 0)], baseline, evaluate)
     assert chosen is None and not trial.passed and not trial.stopped_early
     assert trial.evaluated == 20 and trial.wrong == 3 and trial.allowed_wrong == 2
 
@@ -180,15 +180,15 @@ def test_written_table_is_what_the_planner_uses(tmp_path: Path) -> None:
     facts = _facts()
     rows = cal.derive_rows(facts)
     chosen = {
-        "same-prompt": cal.Candidate(3, 0),
-        "one-attribute": cal.Candidate(0, 2, 4.0, 0.3),
+        "same-prompt": cal.CandidatePlan(3, 0),
+        "one-attribute": cal.CandidatePlan(0, 2, 4.0, 0.3),
         "two-attributes": None,
-        "paraphrase": cal.Candidate(1, 0),
+        "paraphrase": cal.CandidatePlan(1, 0),
     }
     regimes = []
     for name, n, _ in cal.regime_bounds([4, 50]):
         scaled = {
-            k: (None if c is None else cal.Candidate(c.k1 * n // 4, c.k2 * n // 4, c.alpha, c.threshold))
+            k: (None if c is None else cal.CandidatePlan(c.k1 * n // 4, c.k2 * n // 4, c.alpha, c.threshold))
             for k, c in chosen.items()
         }
         table_rows = [
@@ -205,7 +205,7 @@ def test_written_table_is_what_the_planner_uses(tmp_path: Path) -> None:
     planner = Planner(loaded)
     for n in (4, 50):
         for f in facts:
-            choice = planner.plan(f.similarity, token_diff(f.pair.donor_prompt, f.pair.target.prompt), n)
+            choice = planner.plan(f.similarity, word_diff(f.pair.donor_prompt, f.pair.target.prompt), n)
             spec = cal.route(rows, f.similarity, f.content_changes)
             cand = None if spec is None else chosen.get(spec.name)
             if spec is None or cand is None:
@@ -235,7 +235,7 @@ def test_the_shipped_table_reuses_no_held_out_pair_that_changes_three_or_more_at
         (target, ta), (donor, tb) = prompts[a], prompts[b]
         changed = sum(x != y for x, y in zip(ta.as_dict().values(), tb.as_dict().values(), strict=True))
         for steps in (4, 50):
-            choice = planner.plan(float(vectors[a] @ vectors[b]), token_diff(donor, target), steps)
+            choice = planner.plan(float(vectors[a] @ vectors[b]), word_diff(donor, target), steps)
             if choice.reuses:
                 reused[changed] += 1
                 assert changed <= 2, (target, donor, steps, choice.reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from chorus_sched.embedding import token_diff
+from chorus_sched.embedding import word_diff
 from chorus_sched.planner import load_calibration
 from workers.bench.pairs import NEGATIVE_CLASSES, PAIR_CLASSES, eval_targets, make_negative_pairs, make_pairs
 from workers.toy import world
@@ -33,7 +33,7 @@ def test_pair_classes_differ_exactly_as_named() -> None:
     for p in pairs:
         t = p.target
         assert p.donor_seed != t.seed
-        changes = token_diff(p.donor_prompt, t.prompt).content_changes(IGNORABLE)
+        changes = word_diff(p.donor_prompt, t.prompt).content_changes(IGNORABLE)
         differ = {k for k, v in p.donor.attributes.as_dict().items() if v != t.attributes.as_dict()[k]}
         assert differ == set(p.changed)
         if p.pair_class == "same-prompt":
@@ -69,7 +69,7 @@ def test_negative_pairs_change_what_no_class_measures() -> None:
         differ = {k for k, v in p.donor.attributes.as_dict().items() if v != t.attributes.as_dict()[k]}
         assert differ == set(p.changed) and len(differ) == count
         assert p.donor_seed != t.seed
-        changes = token_diff(p.donor_prompt, t.prompt).content_changes(IGNORABLE)
+        changes = word_diff(p.donor_prompt, t.prompt).content_changes(IGNORABLE)
         if reworded:
             assert p.donor.template != t.caption.template and changes > count
         else:

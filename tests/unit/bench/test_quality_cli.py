@@ -9,7 +9,7 @@ from pathlib import Path
 from PIL import Image
 from typer.testing import CliRunner
 
-from chorus_sched.embedding import token_diff
+from chorus_sched.embedding import word_diff
 from chorus_sched.planner import Planner, load_calibration
 from producer.cli import app
 from workers.bench.pairs import eval_targets
@@ -101,7 +101,7 @@ def test_quick_bench_with_calibration(tiny_toy_weights: Path, tmp_path: Path) ->
     # the random model gets nothing right with or without reuse, so the most aggressive plan passes
     assert rows["same-prompt"].k1 == 0.5
     prompt = eval_targets(1)[0].prompt
-    choice = Planner(table).plan(1.0, token_diff(prompt, prompt), 2)
+    choice = Planner(table).plan(1.0, word_diff(prompt, prompt), 2)
     assert choice.row == "same-prompt" and choice.plan.stage1_steps == 1
     same = [r for r in report["rows"] if r["id"] == "chorus/same-prompt@2"]
     assert same and same[0]["reused_fraction"] == 1.0 and same[0]["steps_computed_mean"] == 1.0

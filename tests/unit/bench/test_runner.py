@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from producer.contract import ReusePlan
-from workers.bench.runner import Row, Runner, wilson
+from workers.bench.runner import QualityRunner, Row, wilson
 from workers.engine import load_bundle
 from workers.toy.world import Attributes
 
@@ -13,7 +13,7 @@ EXPECTED = Attributes("red", "circle", "left", "white")
 
 
 def test_runner_checks_and_measures_and_judges_chosen_attributes() -> None:
-    runner = Runner(load_bundle("tiny-random-wan"), 1.0, judge=("background",))
+    runner = QualityRunner(load_bundle("tiny-random-wan"), 1.0, judge=("background",))
     try:
         donor = runner.run(
             "a red circle moving left on a white background", 1, 4, EXPECTED, keep_trajectory=True
@@ -39,7 +39,7 @@ def test_runner_checks_and_measures_and_judges_chosen_attributes() -> None:
     finally:
         runner.close()
     with pytest.raises(ValueError):
-        Runner(load_bundle("tiny-random-wan"), 1.0, judge=("size",))
+        QualityRunner(load_bundle("tiny-random-wan"), 1.0, judge=("size",))
 
 
 def test_wilson_interval() -> None:

@@ -12,7 +12,7 @@ from chorus_sched.embedding import (
     MiniLMEmbedder,
     cosine,
     make_embedder,
-    token_diff,
+    word_diff,
     words,
 )
 
@@ -29,7 +29,7 @@ def test_words_are_case_folded_and_punctuation_free() -> None:
 
 
 def test_a_color_swap_is_one_word_each_side() -> None:
-    diff = token_diff(
+    diff = word_diff(
         "a red circle moving left on a white background", "a blue circle moving left on a white background"
     )
     assert diff.donor_only == ("red",)
@@ -41,13 +41,13 @@ def test_a_color_swap_is_one_word_each_side() -> None:
 
 
 def test_same_words_in_a_new_order_are_a_difference() -> None:
-    diff = token_diff("red circle on a blue background", "blue circle on a red background")
+    diff = word_diff("red circle on a blue background", "blue circle on a red background")
     assert not diff.identical
     assert diff.content_changes() >= 1
 
 
 def test_ignorable_words_do_not_count_as_content_changes() -> None:
-    diff = token_diff("a red circle on the white background", "red circle over white background")
+    diff = word_diff("a red circle on the white background", "red circle over white background")
     assert set(diff.donor_only) == {"a", "on", "the"}
     assert diff.target_only == ("over",)
     assert diff.content_changes(frozenset({"a", "on", "the", "over"})) == 0
@@ -57,7 +57,7 @@ def test_ignorable_words_do_not_count_as_content_changes() -> None:
 @given(prompts)
 def test_a_prompt_does_not_differ_from_itself(ws: list[str]) -> None:
     text = " ".join(ws)
-    diff = token_diff(text, text)
+    diff = word_diff(text, text)
     assert diff.identical
     assert diff.changed_fraction == (0.0 if ws else 1.0)
     assert diff.content_changes() == 0
@@ -65,7 +65,7 @@ def test_a_prompt_does_not_differ_from_itself(ws: list[str]) -> None:
 
 @given(prompts, prompts)
 def test_diff_accounts_for_every_word(a: list[str], b: list[str]) -> None:
-    diff = token_diff(" ".join(a), " ".join(b))
+    diff = word_diff(" ".join(a), " ".join(b))
     assert diff.donor_words == tuple(a) and diff.target_words == tuple(b)
     # the matched words are the same sequence on both sides
     kept_a = [w for i, w in enumerate(a) if i not in diff.donor_positions]
@@ -81,7 +81,7 @@ def test_inserting_a_new_word_is_exactly_one_target_only_word(ws: list[str], dat
     position = data.draw(st.integers(0, len(ws)))
     new = "zzz"  # outside the alphabet of the other words
     target = [*ws[:position], new, *ws[position:]]
-    diff = token_diff(" ".join(ws), " ".join(target))
+    diff = word_diff(" ".join(ws), " ".join(target))
     assert diff.target_only == (new,)
     assert diff.target_positions == (position,)
     assert diff.donor_only == ()
@@ -92,7 +92,7 @@ def test_replacing_one_word_with_a_new_one_is_one_content_change(ws: list[str], 
     position = data.draw(st.integers(0, len(ws) - 1))
     target = list(ws)
     target[position] = "zzz"
-    diff = token_diff(" ".join(ws), " ".join(target))
+    diff = word_diff(" ".join(ws), " ".join(target))
     assert diff.content_changes() == 1
     assert diff.target_only == ("zzz",)
 
@@ -134,12 +134,12 @@ def test_minilm_embeds_in_one_batch_and_a_color_swap_still_scores_high() -> None
 
 
 def test_repeated_words_are_not_reported_as_differences() -> None:
-    diff = token_diff("a red circle on a white background", "a big red circle on a white background")
+    diff = word_diff("a red circle on a white background", "a big red circle on a white background")
     assert diff.target_only == ("big",)
     assert diff.donor_only == ()
 
 
 def test_very_long_prompts_fall_back_to_the_block_heuristic() -> None:
     long = " ".join(f"w{i % 50}" for i in range(600))
-    diff = token_diff(long, long + " extra")
+    diff = word_diff(long, long + " extra")
     assert diff.target_only == ("extra",)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chorus_sched.embedding import token_diff
+from chorus_sched.embedding import word_diff
 from chorus_sched.planner import (
     CalibrationError,
     CalibrationTable,
@@ -73,40 +73,38 @@ def test_the_shipped_table_is_the_measured_one() -> None:
 
 def test_shipped_table_reuses_only_the_changes_it_measured() -> None:
     planner = Planner(load_calibration())
-    same = planner.plan(1.0, token_diff(RED, RED), 4)
+    same = planner.plan(1.0, word_diff(RED, RED), 4)
     assert same.reuses and same.row == "same-prompt" and same.plan.stage1_steps == 3
-    assert planner.plan(1.0, token_diff(RED, RED), 50).plan.stage1_steps == 37
-    swap = planner.plan(0.84, token_diff(RED, BLUE), 4)
+    assert planner.plan(1.0, word_diff(RED, RED), 50).plan.stage1_steps == 37
+    swap = planner.plan(0.84, word_diff(RED, BLUE), 4)
     assert swap.reuses and swap.row == "one-attribute"
     assert swap.plan.stage1_steps == 0 and swap.plan.stage2_steps == 3 and swap.plan.alpha == 2.0
     # the same swap below every measured one-attribute similarity: refused, not handed to a wider row
-    low = planner.plan(0.5, token_diff(RED, BLUE), 4)
+    low = planner.plan(0.5, word_diff(RED, BLUE), 4)
     assert not low.reuses and "'unmeasured-small-change' admits similarity 0.500" in low.reason
     three = "a green square moving up on a white background"
-    assert not planner.plan(0.8, token_diff(RED, three), 4).reuses
+    assert not planner.plan(0.8, word_diff(RED, three), 4).reuses
     # a paraphrase: negatives as similar as paraphrases (two attributes changed in other words) left no row
     paraphrase = "red ball drifting to the left, white backdrop"
-    refused = planner.plan(0.9, token_diff(RED, paraphrase), 4)
+    refused = planner.plan(0.9, word_diff(RED, paraphrase), 4)
     assert not refused.reuses and refused.row is None
 
 
 def test_first_admitting_row_decides_and_fractions_round_down() -> None:
     planner = Planner(CalibrationTable.model_validate(table()))
-    choice = planner.plan(
-        0.97, token_diff("a red circle", "red circle"), 10
-    )  # only an ignorable word differs
+    choice = planner.plan(0.97, word_diff("a red circle", "red circle"), 10)  # only an ignorable word differs
     assert choice.row == "same" and choice.regime == "many"
     assert (choice.plan.stage1_steps, choice.plan.stage2_steps, choice.plan.stage3_steps) == (4, 2, 4)
-    choice = planner.plan(0.9, token_diff(RED, BLUE), 10)
+    choice = planner.plan(0.9, word_diff(RED, BLUE), 10)
     assert choice.row == "one" and choice.plan.alpha == 2.0
     assert (choice.plan.stage1_steps, choice.plan.stage2_steps) == (1, 2)
-    refused = planner.plan(0.79, token_diff(RED, BLUE), 10)
+    refused = planner.plan(0.79, word_diff(RED, BLUE), 10)
     assert not refused.reuses and "no many row admits similarity 0.790" in refused.reason
 
 
 def test_a_row_whose_fractions_round_to_nothing_gives_a_full_plan() -> None:
     planner = Planner(CalibrationTable.model_validate(table()))
-    choice = planner.plan(1.0, token_diff(RED, RED), 1)
+    choice = planner.plan(1.0, word_diff(RED, RED), 1)
     assert not choice.reuses
     assert choice.plan.stage3_steps == 1
     assert "round to no reused step at N=1" in choice.reason
@@ -136,7 +134,7 @@ def test_every_plan_covers_n_steps_with_stage3_at_least_one(
     data = table(regimes=[{"name": "all", "max_steps": 1000, "rows": [row("r", -1.0, 3, k1, k2)]}])
     planner = Planner(parse_calibration(json.dumps(data)))
     target = " ".join(["x"] * changes) + " red circle"
-    choice = planner.plan(similarity, token_diff("red circle", target), n)
+    choice = planner.plan(similarity, word_diff("red circle", target), n)
     plan = choice.plan
     assert plan.num_steps == n
     assert plan.stage3_steps >= 1
