@@ -28,12 +28,14 @@ def scheduler() -> None:
     from chorus_sched.planner import CalibrationError
     from chorus_sched.service import run
     from chorus_sched.settings import SchedulerSettings
+    from producer.bus import BrokerUnreachable, is_bootstrap_failure
     from producer.logs import configure_logging
+    from producer.settings import settings_error_line
 
     try:
         settings = SchedulerSettings()
     except ValidationError as exc:
-        typer.echo(f"invalid scheduler settings:\n{exc}", err=True)
+        typer.echo(settings_error_line(exc), err=True)
         raise typer.Exit(code=2) from None
     configure_logging(settings.log_level, settings.log_format)
     stop = threading.Event()
@@ -51,6 +53,11 @@ def scheduler() -> None:
         typer.echo(f"calibration table rejected: {exc}", err=True)
         raise typer.Exit(code=2) from None
     except Exception as exc:
+        if is_bootstrap_failure(exc):  # one line: nothing in a traceback would help
+            typer.echo(
+                f"scheduler stopped: {BrokerUnreachable(settings.kafka_bootstrap, [str(exc)])}", err=True
+            )
+            raise typer.Exit(code=1) from None
         log.critical("scheduler stopped on an error", exc_info=exc)
         typer.echo(f"scheduler stopped on an error: {exc!r}", err=True)
         raise typer.Exit(code=1) from None

@@ -8,12 +8,14 @@ message about one request (its submission, its result) in one partition, in orde
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import KafkaTimeoutError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from producer.settings import KafkaSettings
@@ -25,6 +27,7 @@ def client_config(settings: KafkaSettings) -> dict[str, Any]:
     config: dict[str, Any] = {
         "bootstrap_servers": settings.kafka_bootstrap.split(","),
         "security_protocol": settings.kafka_security_protocol,
+        "bootstrap_timeout_ms": settings.kafka_bootstrap_timeout_ms,
     }
     if settings.kafka_api_version_tuple is not None:
         config["api_version"] = known_api_version(settings.kafka_api_version_tuple)
@@ -34,6 +37,83 @@ def client_config(settings: KafkaSettings) -> dict[str, Any]:
         if settings.kafka_sasl_password is not None:
             config["sasl_plain_password"] = settings.kafka_sasl_password.get_secret_value()
     return config
+
+
+class BrokerUnreachable(ConnectionError):
+    """No bootstrap server of ``CHORUS_KAFKA_BOOTSTRAP`` accepted a connection."""
+
+    def __init__(self, bootstrap: str, reasons: list[str]) -> None:
+        self.bootstrap = bootstrap
+        self.reasons = reasons
+        why = "; ".join(reasons)
+        super().__init__(
+            f"cannot reach the Kafka broker at {bootstrap} (CHORUS_KAFKA_BOOTSTRAP)"
+            + (f": {why}" if why else "")
+        )
+
+
+def _host_port(server: str) -> tuple[str, int]:
+    address = server.strip().split("://", 1)[-1]
+    if address.startswith("["):  # [::1]:9092
+        host, _, rest = address[1:].partition("]")
+        return host, int(rest.lstrip(":") or 9092)
+    host, sep, port = address.rpartition(":")
+    return (host, int(port)) if sep and port.isdigit() else (address, 9092)
+
+
+def check_reachable(settings: KafkaSettings, *, connect_timeout_s: float = 3.0) -> None:
+    """Return once the cluster answered; ``BrokerUnreachable`` otherwise, within seconds.
+
+    First a TCP connection to some bootstrap server (``connect_timeout_s``: nothing listening is said at once),
+    then a client's first contact with the cluster (``kafka_bootstrap_timeout_ms``: something listens but no
+    Kafka answers). kafka-python's producer alone would wait its ``max_block_ms`` (a minute), logging every retry.
+    """
+    reasons: list[str] = []
+    deadline = time.monotonic() + connect_timeout_s
+    for server in [s for s in settings.kafka_bootstrap.split(",") if s.strip()]:
+        try:
+            host, port = _host_port(server)
+            with socket.create_connection((host, port), timeout=max(0.2, deadline - time.monotonic())):
+                break
+        except (OSError, ValueError) as exc:
+            reasons.append(f"{server.strip()}: {getattr(exc, 'strerror', None) or exc}")
+    else:
+        raise BrokerUnreachable(settings.kafka_bootstrap, reasons)
+    probe: KafkaConsumer | None = None
+    try:
+        probe = KafkaConsumer(**client_config(settings), group_id=None, enable_auto_commit=False)
+        _bootstrap(probe, settings)
+    except KafkaTimeoutError:
+        raise BrokerUnreachable(
+            settings.kafka_bootstrap, [f"no Kafka answer within {settings.kafka_bootstrap_timeout_ms} ms"]
+        ) from None
+    finally:
+        if probe is not None:
+            probe.close(autocommit=False)
+
+
+def is_bootstrap_failure(exc: BaseException) -> bool:
+    """Whether a kafka-python error says that no broker could be reached at all."""
+    return isinstance(exc, KafkaTimeoutError) and "bootstrap" in str(exc).lower()
+
+
+def _bootstrap(client: KafkaConsumer, settings: KafkaSettings) -> None:
+    """Contact the cluster within ``kafka_bootstrap_timeout_ms`` (KafkaTimeoutError "Unable to bootstrap").
+
+    A consumer told its ``api_version`` does not contact the cluster when made: it starts a bootstrap with no
+    deadline, and its first metadata request (``partitions_for_topic``) waits for it without limit. This waits
+    for that bootstrap with one (kafka-python 3's connection manager and loop; skipped where they differ).
+    """
+    manager, net = getattr(client, "_manager", None), getattr(client, "_net", None)
+    if manager is None or net is None or getattr(manager, "bootstrapped", True):
+        return
+    timeout_ms = settings.kafka_bootstrap_timeout_ms
+    try:
+        net.run(manager.wait_for, manager.bootstrap_async(timeout_ms), timeout_ms)
+    except KafkaTimeoutError:
+        raise KafkaTimeoutError(
+            f"Unable to bootstrap from {settings.kafka_bootstrap} within {timeout_ms} ms"
+        ) from None
 
 
 def known_api_version(version: tuple[int, ...]) -> tuple[int, ...]:
@@ -148,6 +228,11 @@ def tail_consumer(settings: KafkaSettings, topic: str, **overrides: Any) -> Kafk
         **overrides,
     }
     consumer = KafkaConsumer(**config)
+    try:
+        _bootstrap(consumer, settings)
+    except BaseException:
+        consumer.close()
+        raise
     follow_new_partitions(consumer, topic, from_end=True)
     return consumer
 

@@ -23,6 +23,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
     callback=cli_root.root,
+    cls=cli_root.ChorusGroup,
 )
 bench_app = typer.Typer(help="Benchmarks that print JSON (speed, quality, faults).", no_args_is_help=True)
 

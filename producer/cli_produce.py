@@ -67,6 +67,7 @@ def produce(
     ),
 ) -> None:
     """Publish generation requests to the requests topic (and with --wait, print their results)."""
+    from producer import bus
     from producer.sdk import BatchInvalid, ChorusClient, PublishError, parse_jsonl, request_from_options
     from producer.settings import EnvFileMissing, ProducerSettings, use_env_file
 
@@ -79,8 +80,9 @@ def produce(
         settings = ProducerSettings(**overrides)
     except EnvFileMissing as exc:
         _fail(err, str(exc))
-    # Only warnings, on stderr: stdout carries the output (``--json``).
-    configure_logging("WARNING", settings.log_format)
+    # Only warnings, on stderr: stdout carries the output (``--json``). kafka-python's own logs only with --debug:
+    # an unreachable broker is reported in one line below.
+    configure_logging("WARNING", settings.log_format, quiet_clients=True)
 
     if (prompt is None) == (file is None):
         _fail(err, "give exactly one of --prompt or --file")
@@ -120,12 +122,15 @@ def produce(
             _fail(err, "no valid request to send", as_json=as_json, out=out, invalid=invalid)
 
     results: dict[str, GenerationResult] = {}
+    bus.check_reachable(settings)  # BrokerUnreachable: one line from the CLI root, within seconds
     with ChorusClient(settings) as client:
         watcher = client.watch_results() if wait else None
         try:
             try:
                 sent = _send(client, requests, err, quiet=as_json)
             except PublishError as exc:
+                if exc.__cause__ is not None and bus.is_bootstrap_failure(exc.__cause__):
+                    raise bus.BrokerUnreachable(settings.kafka_bootstrap, [str(exc.__cause__)]) from exc
                 _fail(err, str(exc), code=1)
             if not as_json:
                 for r in requests:
@@ -258,5 +263,5 @@ def _fail(
     if as_json and out is not None:
         _print_json({"error": message, "invalid": invalid or [], "sent": []})
     else:
-        err.print(f"[bold red]error:[/] {escape(message)}")
+        err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code=code)

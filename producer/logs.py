@@ -43,7 +43,22 @@ class ConsoleFormatter(logging.Formatter):
         return text
 
 
-def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
+_debug = False
+
+
+def set_debug(on: bool) -> None:
+    """``chorus --debug``: tracebacks instead of one-line errors, and the client libraries' own logs."""
+    global _debug
+    _debug = on
+
+
+def debug_enabled() -> bool:
+    return _debug
+
+
+def configure_logging(level: str = "INFO", fmt: str = "console", *, quiet_clients: bool = False) -> None:
+    """Log to stderr at ``level``. Client libraries (kafka-python, urllib3, …) log their warnings too, unless
+    ``quiet_clients`` (a command that reports their failures itself, in one line) and not ``--debug``."""
     handler: logging.Handler
     # Logs go to stderr so that commands printing JSON or tables on stdout stay machine-readable.
     if fmt == "json":
@@ -60,6 +75,7 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    # Client libraries are chatty at INFO; their warnings still come through.
+    # Client libraries are chatty at INFO; their warnings still come through (unless quiet_clients).
+    client_level = logging.CRITICAL + 1 if quiet_clients and not _debug else logging.WARNING
     for noisy in ("kafka", "urllib3", "botocore", "httpx", "celery.redirected"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(client_level)

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _API_VERSION = re.compile(r"^(auto|\d+(\.\d+){1,2})$")
@@ -53,12 +53,46 @@ def env_file() -> Path | None:
     return path
 
 
+_SECRET_WORDS = ("secret", "password", "key", "token")
+
+
+def is_settings_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a settings object's validation error (its title is the settings class' name)."""
+    return isinstance(exc, ValidationError) and exc.title.endswith("Settings")
+
+
+def settings_error_line(exc: ValidationError) -> str:
+    """One line naming each bad variable, the value it had (never a credential's) and what it must be, e.g.
+    ``invalid setting CHORUS_LOG_LEVEL='verbose': must be 'DEBUG', 'INFO', 'WARNING' or 'ERROR'``."""
+    parts: list[str] = []
+    for error in exc.errors(include_url=False):
+        field = ".".join(str(p) for p in error["loc"])
+        message = error["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        if not field:  # a check across fields: its message names them
+            parts.append(message)
+            continue
+        name = f"CHORUS_{field.upper()}"
+        value = error.get("input")
+        secret = any(w in field.lower() for w in _SECRET_WORDS)
+        shown = "" if secret or isinstance(value, dict) or value is None else f"={value!r}"
+        parts.append(f"{name}{shown}: {message}")
+    noun = "setting" if len(parts) == 1 else "settings"
+    return f"invalid {noun} " + "; ".join(parts)
+
+
 class ChorusSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CHORUS_", extra="ignore", validate_default=True)
 
     state_dir: Path = Field(default=Path(".chorus"), description="local state of the embedded setup")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["console", "json"] = "console"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_any_case(cls, value: object) -> object:
+        if isinstance(value, str) and value.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            return value.upper()
+        return value  # as given, so an error shows what was set
 
     def __init__(self, **values: Any) -> None:
         # The env file is looked up when settings are made (not when the class is defined), so a command's
@@ -73,6 +107,8 @@ class KafkaSettings(ChorusSettings):
     # kafka-python probes the broker version unless told; some Kafka-protocol brokers (librdkafka's mock
     # cluster) answer the probe in a form it cannot decode, so the version is configurable.
     kafka_api_version: str = "auto"
+    # How long a client waits for its first contact with the cluster before it fails ("Unable to bootstrap").
+    kafka_bootstrap_timeout_ms: int = Field(default=30_000, ge=100)
     kafka_requests_topic: str = "chorus.requests"
     kafka_results_topic: str = "chorus.results"
     kafka_dead_letter_topic: str = "chorus.requests.dlq"
@@ -118,3 +154,5 @@ class BrokerSettings(ChorusSettings):
 
 class ProducerSettings(KafkaSettings):
     result_timeout_s: float = Field(default=300.0, gt=0)
+    # A producer (chorus produce, the SDK) says within seconds that it cannot reach the cluster.
+    kafka_bootstrap_timeout_ms: int = Field(default=5_000, ge=100)

@@ -49,8 +49,10 @@ def worker(
 ) -> None:
     """Run a Celery worker that executes generation orders for the given models."""
     from celery.signals import worker_process_init, worker_process_shutdown
+    from pydantic import ValidationError
 
     from producer.logs import configure_logging
+    from producer.settings import settings_error_line
     from workers.app import create_app
     from workers.settings import WorkerSettings
 
@@ -66,8 +68,8 @@ def worker(
         overrides["worker_autoscale_max"] = max_processes
     try:
         settings = WorkerSettings(**overrides)
-    except ValueError as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}")
+    except ValidationError as exc:
+        err.print(f"[bold red]error:[/] {escape(settings_error_line(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     if pool not in ("prefork", "solo", "threads"):
         err.print(f"[bold red]error:[/] unknown pool {pool!r} (prefork, solo or threads)")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -94,3 +96,96 @@ def test_a_dotted_api_version_is_given_to_kafka_python_as_its_table_spells_it(
             BrokerVersionData(broker_version=config["api_version"])
         assert not caplog.records, caplog.text
     assert "api_version" not in bus.client_config(KafkaSettings(kafka_api_version="auto"))
+
+
+# --- one-line errors ----------------------------------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.strip()]
+
+
+def test_produce_without_a_broker_fails_in_seconds_with_one_actionable_line() -> None:
+    address = f"127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["produce", "--prompt", "a red circle", "--bootstrap", address])
+    assert time.monotonic() - started < 5
+    assert result.exit_code == 1, result.output
+    [line] = _lines(result.output)
+    assert line.startswith(f"error: cannot reach the Kafka broker at {address} (CHORUS_KAFKA_BOOTSTRAP)")
+    assert "./scripts/demo.sh --keep-running" in line and "--env-file .chorus/stack.env" in line
+
+
+def test_with_debug_the_traceback_is_shown() -> None:
+    address = f"127.0.0.1:{_closed_port()}"
+    result = CliRunner().invoke(
+        app, ["--debug", "produce", "--prompt", "a red circle", "--bootstrap", address]
+    )
+    assert result.exit_code == 1
+    assert isinstance(result.exception, bus.BrokerUnreachable)
+
+
+def test_a_broker_that_accepts_but_never_answers_fails_within_the_bootstrap_timeout(tmp_path: Path) -> None:
+    # A port that accepts connections and says nothing (a wrong service, a dead proxy): the TCP check passes and
+    # a client's first contact, bounded by kafka_bootstrap_timeout_ms, decides. Given its api version, the
+    # producer used to wait a minute, and the results consumer of --wait without limit.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        env_file = tmp_path / "stack.env"
+        env_file.write_text(
+            f'CHORUS_KAFKA_BOOTSTRAP="{address}"\nCHORUS_KAFKA_API_VERSION="2.1"\n'
+            'CHORUS_KAFKA_BOOTSTRAP_TIMEOUT_MS="1500"\n'
+        )
+        for wait in ([], ["--wait"]):
+            started = time.monotonic()
+            result = CliRunner().invoke(
+                app, ["produce", "--env-file", str(env_file), "--prompt", "a red circle", *wait]
+            )
+            assert time.monotonic() - started < 5
+            assert result.exit_code == 1, result.output
+            [line] = _lines(result.output)
+            assert (
+                f"cannot reach the Kafka broker at {address}" in line
+                and "no Kafka answer within 1500 ms" in line
+            )
+            # The settings came from an env file: the hint asks whether its stack still runs.
+            assert f"the settings came from {env_file}" in line
+
+
+@pytest.mark.parametrize("command", [["produce", "--prompt", "x"], ["worker"], ["scheduler"]])
+def test_a_bad_setting_is_one_line_naming_the_variable_and_the_allowed_values(
+    monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    monkeypatch.setenv("CHORUS_LOG_LEVEL", "verbose")
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 2, result.output
+    [line] = _lines(result.output)
+    assert "CHORUS_LOG_LEVEL='verbose': must be 'DEBUG', 'INFO', 'WARNING' or 'ERROR'" in line
+    assert "Traceback" not in result.output
+
+
+def test_settings_errors_never_show_a_credential_and_levels_take_any_case(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pydantic import ValidationError
+
+    from producer.settings import settings_error_line
+
+    monkeypatch.setenv("CHORUS_LOG_LEVEL", "debug")
+    assert ProducerSettings().log_level == "DEBUG"
+
+    monkeypatch.setenv("CHORUS_KAFKA_SASL_PASSWORD", "hunter2")
+    monkeypatch.setenv("CHORUS_KAFKA_BOOTSTRAP", "")
+    with pytest.raises(ValidationError) as raised:
+        KafkaSettings(kafka_sasl_password=["hunter2"])
+    line = settings_error_line(raised.value)
+    assert "hunter2" not in line
+    assert "CHORUS_KAFKA_SASL_PASSWORD:" in line and "CHORUS_KAFKA_BOOTSTRAP='':" in line
