@@ -55,7 +55,16 @@ from producer.contract import DeadLetter, GenerationRequest, GenerationResult, R
 from producer.local.config import StackOptions
 from producer.local.processes import ServiceProcess
 from producer.local.stack import EmbeddedStack
-from producer.orders import Role, WorkOrder, header_key, queue_for, step_key, trajectory_prefix, video_key
+from producer.orders import (
+    Role,
+    WorkOrder,
+    abandoned_key,
+    header_key,
+    queue_for,
+    step_key,
+    trajectory_prefix,
+    video_key,
+)
 from producer.sdk import ChorusClient, ResultWatcher
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -234,7 +243,7 @@ def paused(process: ServiceProcess) -> Iterator[None]:
 def check_stored(stack: EmbeddedStack, result: GenerationResult) -> None:
     """The result's video and its whole trajectory (header + one object per step) are in S3."""
     store = stack.object_store()
-    rid = result.request_id
+    rid = result.job_id  # object keys are per tenant
     assert result.video_uri == store.uri(video_key(rid, "mp4"))
     assert store.exists(video_key(rid, "mp4"))
     prefix = trajectory_prefix(rid)
@@ -337,7 +346,7 @@ def test_a_batch_of_families_through_chorus_produce(stack: EmbeddedStack, tmp_pa
     stack.wait_idle(timeout_s=WAIT_S)
     with donor_index(stack) as index:
         for rid, r in results.items():
-            entry = index.get(rid)
+            entry = index.get(r.job_id)
             assert isinstance(entry, DonorEntry), rid
             assert (entry.status, entry.tenant, entry.trajectory_uri, entry.video_uri, entry.bytes) == (
                 "ready",
@@ -468,7 +477,7 @@ def test_a_donor_deleted_between_planning_and_fetch_runs_in_full_and_says_why(st
     assert first.status is ResultStatus.DONE and first.donor is None, first.error
     stack.wait_idle(timeout_s=WAIT_S)  # indexed as a ready donor
     with donor_index(stack) as index:
-        entry = index.get(donor.request_id)
+        entry = index.get(donor.job_id)
         assert entry is not None and entry.ready
 
     target = request("vanish-target", prompt, tenant, seed=2)
@@ -482,9 +491,9 @@ def test_a_donor_deleted_between_planning_and_fetch_runs_in_full_and_says_why(st
                 "the scheduler dispatched the request with the donor",
                 lambda: events(stack.schedulers, "request dispatched", request_id=target.request_id),
             )
-            assert planned[0]["donor"] == donor.request_id and planned[0]["role"] == str(Role.SOLO)
+            assert planned[0]["donor"] == donor.job_id and planned[0]["role"] == str(Role.SOLO)
             # The order is on the broker; before any worker can fetch the donor, its trajectory goes.
-            assert store.delete_prefix(trajectory_prefix(donor.request_id)) == STEPS + 1
+            assert store.delete_prefix(trajectory_prefix(donor.job_id)) == STEPS + 1
         result = wait_results(watcher, [target.request_id])[target.request_id]
 
     assert result.status is ResultStatus.DONE, result.error
@@ -495,7 +504,7 @@ def test_a_donor_deleted_between_planning_and_fetch_runs_in_full_and_says_why(st
         1.0,
     )
     assert result.fallback is not None
-    assert f"donor {donor.request_id} unusable" in result.fallback and "not in the store" in result.fallback
+    assert f"donor {donor.job_id} unusable" in result.fallback and "not in the store" in result.fallback
     check_stored(stack, result)
 
 
@@ -533,7 +542,7 @@ def test_a_follower_whose_leader_never_runs_completes_in_full_after_its_deadline
                 "the follower was dispatched",
                 lambda: events(stack.schedulers, "request dispatched", request_id=follower.request_id),
             )
-            assert planned[0]["role"] == str(Role.FOLLOWER) and planned[0]["donor"] == leader.request_id
+            assert planned[0]["role"] == str(Role.FOLLOWER) and planned[0]["donor"] == leader.job_id
         result = wait_results(watcher, [follower.request_id])[follower.request_id]
 
     assert result.status is ResultStatus.DONE, result.error
@@ -541,11 +550,13 @@ def test_a_follower_whose_leader_never_runs_completes_in_full_after_its_deadline
     assert (result.steps_computed, result.tokens_computed_fraction) == (STEPS, 1.0)
     assert result.fallback is not None and f"not uploaded within {FOLLOWER_WAIT_S} s" in result.fallback
     check_stored(stack, result)
-    # The leader produced nothing: no object under its prefix, no result, and its index entry never became ready.
-    assert list(stack.object_store().list(trajectory_prefix(leader.request_id))) == []
+    # The leader produced nothing: no object under its prefix but the marker the follower left when it gave up on
+    # it (so its other followers do not wait too), no result, and its index entry never became ready.
+    prefix = trajectory_prefix(leader.job_id)
+    assert [o.key for o in stack.object_store().list(prefix)] == [abandoned_key(prefix)]
     assert all(r.request_id != leader.request_id for r in results_on_topic(stack))
     with donor_index(stack) as index:
-        entry = index.get(leader.request_id)
+        entry = index.get(leader.job_id)
         assert entry is not None and not entry.ready
 
 
@@ -554,7 +565,7 @@ def test_a_donor_found_missing_at_fetch_is_not_planned_again(stack: EmbeddedStac
     donor = request("gone-donor", prompt, tenant, seed=1)
     assert submit_and_wait(stack, donor)[donor.request_id].status is ResultStatus.DONE
     stack.wait_idle(timeout_s=WAIT_S)
-    stack.object_store().delete_prefix(trajectory_prefix(donor.request_id))  # lost outside Chorus' control
+    stack.object_store().delete_prefix(trajectory_prefix(donor.job_id))  # lost outside Chorus' control
     # A paraphrase is planned with the donor, finds it missing and runs in full; it becomes a donor itself.
     first = request("gone-first", prompt.replace(" on ", " across "), tenant, seed=2)
     missed = submit_and_wait(stack, first)[first.request_id]

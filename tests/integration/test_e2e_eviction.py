@@ -48,11 +48,12 @@ def test_an_evicted_donor_is_gone_from_index_and_store_and_later_similar_request
     # could serve as a donor) is read from what the worker deleted below, not raced against the eviction.
 
     store = stack.object_store()
-    prefix = trajectory_prefix(first.request_id)
+    job = first.job_id  # the scheduler and the store know a request by its job id (ids are per tenant)
+    prefix = trajectory_prefix(job)
 
     def evicted_by_budget() -> bool:
         return any(
-            {"request_id": first.request_id, "reason": "budget"}.items() <= e.items()
+            {"request_id": job, "reason": "budget"}.items() <= e.items()
             for event in events(stack.schedulers, "cache policy evicts donors")
             for e in event["evictions"]
         )
@@ -60,18 +61,16 @@ def test_an_evicted_donor_is_gone_from_index_and_store_and_later_similar_request
     wait_for(stack, "the scheduler evicts the donor", evicted_by_budget)
 
     def deletions() -> list[dict[str, object]]:
-        return [
-            e for e in events(stack.workers, "evicted donor objects") if first.request_id in e["request_ids"]
-        ]
+        return [e for e in events(stack.workers, "evicted donor objects") if job in e["request_ids"]]
 
     wait_for(stack, "the worker deletes the donor's objects", lambda: bool(deletions()))
     # Only this request was ever finished on this stack before, so its orders name it alone: header + every step.
-    assert all(e["request_ids"] == [first.request_id] for e in deletions())
+    assert all(e["request_ids"] == [job] for e in deletions())
     assert sum(int(str(e["objects"])) for e in deletions()) == 1 + STEPS
     assert list(store.list(prefix)) == []
-    assert store.exists(video_key(first.request_id, "mp4"))
+    assert store.exists(video_key(job, "mp4"))
     with donor_index(stack) as index:
-        assert index.get(first.request_id) is None
+        assert index.get(job) is None
 
     again = request("evict-again", prompt, tenant, seed=2)
     result = submit_and_wait(stack, again)[again.request_id]

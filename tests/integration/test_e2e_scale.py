@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from producer.contract import ResultStatus
+from producer.contract import ResultStatus, job_id
 from producer.local.stack import EmbeddedStack
 from producer.orders import Role
 from producer.sdk import ChorusClient
@@ -108,5 +108,7 @@ def test_two_schedulers_and_three_workers_lose_nothing_duplicate_nothing_and_kee
 
     with donor_index(stack) as index:
         entries = [e for e in index.entries() if e.tenant == tenant]
-    assert sorted(e.request_id for e in entries) == sorted(ids)
+    assert sorted(e.request_id for e in entries) == sorted(
+        job_id(tenant, rid) for rid in ids
+    )  # index: job ids
     assert all(e.ready for e in entries)
