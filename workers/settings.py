@@ -14,7 +14,9 @@ from producer.settings import BrokerSettings, KafkaSettings
 
 class WorkerSettings(KafkaSettings, BrokerSettings):
     # The Celery broker, result backend and task time limits are BrokerSettings' (shared with the scheduler).
-    s3_endpoint: str = "127.0.0.1:9000"
+    # The object store's URL (http://minio:9000, https://s3.example.com), whose scheme decides TLS; a bare
+    # host:port is accepted too, with TLS from s3_secure.
+    s3_endpoint: str = "http://127.0.0.1:9000"
     s3_secure: bool = False
     s3_region: str = "us-east-1"
     s3_bucket: str = "chorus"
@@ -70,6 +72,46 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
             raise ValueError(f"unknown model(s) {unknown}; known: {sorted(CATALOG)}")
         return value
 
+    @field_validator("s3_endpoint")
+    @classmethod
+    def _endpoint_form(cls, value: str) -> str:
+        scheme, address = _split_endpoint(value)
+        if scheme not in (None, "http", "https"):
+            raise ValueError(f"the scheme must be http or https, not {scheme!r}")
+        if not address or "/" in address:
+            raise ValueError("must be a URL such as http://minio:9000 (no path) or a host:port")
+        return value
+
+    @model_validator(mode="after")
+    def _scheme_agrees_with_secure(self) -> Self:
+        scheme, _ = _split_endpoint(self.s3_endpoint)
+        if (
+            scheme is not None
+            and "s3_secure" in self.model_fields_set
+            and self.s3_secure != (scheme == "https")
+        ):
+            raise ValueError(
+                f"s3_secure={self.s3_secure} contradicts the {scheme}:// of s3_endpoint (the scheme decides TLS; "
+                "leave s3_secure unset)"
+            )
+        return self
+
+    @property
+    def s3_address(self) -> str:
+        """host:port of the object store (what the minio client takes)."""
+        return _split_endpoint(self.s3_endpoint)[1]
+
+    @property
+    def s3_tls(self) -> bool:
+        """Whether the object store is spoken to over TLS: the endpoint's scheme, else ``s3_secure``."""
+        scheme, _ = _split_endpoint(self.s3_endpoint)
+        return self.s3_secure if scheme is None else scheme == "https"
+
+    @property
+    def s3_url(self) -> str:
+        """The object store's URL with its scheme (for boto3's ``endpoint_url``, awscli's ``--endpoint-url``)."""
+        return f"{'https' if self.s3_tls else 'http'}://{self.s3_address}"
+
     @model_validator(mode="after")
     def _consistent_limits(self) -> Self:
         if self.worker_autoscale_min > self.worker_autoscale_max:
@@ -79,3 +121,11 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     @property
     def served_models(self) -> list[str]:
         return list(self.worker_models) or sorted(CATALOG)
+
+
+def _split_endpoint(value: str) -> tuple[str | None, str]:
+    """(scheme or None, host:port) of an endpoint given as a URL or a bare host:port; a trailing / is dropped."""
+    scheme, sep, rest = value.strip().partition("://")
+    if not sep:
+        return None, value.strip().rstrip("/")
+    return scheme.lower(), rest.rstrip("/")

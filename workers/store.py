@@ -77,11 +77,11 @@ class ObjectStore:
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> ObjectStore:
         return cls(
-            settings.s3_endpoint,
+            settings.s3_address,
             settings.s3_bucket,
             access_key=settings.s3_access_key.get_secret_value() if settings.s3_access_key else None,
             secret_key=settings.s3_secret_key.get_secret_value() if settings.s3_secret_key else None,
-            secure=settings.s3_secure,
+            secure=settings.s3_tls,
             region=settings.s3_region,
             timeout_s=settings.s3_timeout_s,
             write_retry_s=settings.s3_write_retry_s,
@@ -238,7 +238,7 @@ _STORES: dict[tuple[str, str, bool], ObjectStore] = {}
 
 def store_for(settings: WorkerSettings) -> ObjectStore:
     """One store per process and endpoint/bucket, with the bucket created on first use."""
-    key = (settings.s3_endpoint, settings.s3_bucket, settings.s3_secure)
+    key = (settings.s3_address, settings.s3_bucket, settings.s3_tls)
     store = _STORES.get(key)
     if store is None:
         store = ObjectStore.from_settings(settings)

@@ -83,8 +83,7 @@ def service_env(
             "CHORUS_LOG_FORMAT": "json",
             "CHORUS_KAFKA_BOOTSTRAP": kafka_address,
             "CHORUS_KAFKA_API_VERSION": MOCK_KAFKA_API_VERSION,
-            "CHORUS_S3_ENDPOINT": s3_address,
-            "CHORUS_S3_SECURE": "false",
+            "CHORUS_S3_ENDPOINT": f"http://{s3_address}",  # a URL, as boto3 and awscli take it
             "CHORUS_S3_BUCKET": opts.s3_bucket,
             "CHORUS_S3_ACCESS_KEY": s3_access_key,
             "CHORUS_S3_SECRET_KEY": s3_secret_key,

@@ -311,7 +311,8 @@ def _start_stack(console: Console, run: DemoRun, run_id: str, n_requests: int) -
 
 def _print_stack(console: Console, stack: EmbeddedStack, setup_s: float) -> None:
     up = stack.metrics_up()
-    console.print(f"stack ready in {setup_s:.1f} s: Kafka {stack.kafka_address}, S3 {stack.s3_endpoint}")
+    s3_url = stack.worker_settings.s3_url
+    console.print(f"stack ready in {setup_s:.1f} s: Kafka {stack.kafka_address}, S3 {s3_url}")
     for name, url in stack.metrics_urls.items():
         state = "[green]up[/]" if up.get(name) else "[yellow]not answering[/]"
         console.print(f"  metrics {name}: {url} ({state})   log: {escape(str(stack.log_files[name]))}")

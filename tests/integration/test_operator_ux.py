@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from producer.local.standins import EmbeddedService
 from producer.settings import KafkaSettings
 
 pytestmark = pytest.mark.integration
@@ -42,3 +43,28 @@ def test_produce_reads_an_env_file_and_logs_no_api_version_warning(
     assert sent.returncode == 0, sent.stderr
     assert "sent env-1" in sent.stdout
     assert "not supported" not in sent.stderr and "ambiguous" not in sent.stderr, sent.stderr
+
+
+def test_a_url_s3_endpoint_serves_the_store_and_boto3_alike(s3_server: EmbeddedService) -> None:
+    import boto3
+
+    from workers.settings import WorkerSettings
+    from workers.store import ObjectStore
+
+    settings = WorkerSettings(
+        s3_endpoint=f"http://{s3_server.address}",
+        s3_bucket="url-endpoint",
+        s3_access_key="t",
+        s3_secret_key="t",
+    )
+    store = ObjectStore.from_settings(settings)
+    store.ensure_bucket()
+    store.put("greeting", b"hello", content_type="text/plain")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=settings.s3_url,  # as written in stack.env: no URL to build
+        aws_access_key_id="t",
+        aws_secret_access_key="t",
+        region_name="us-east-1",
+    )
+    assert s3.get_object(Bucket="url-endpoint", Key="greeting")["Body"].read() == b"hello"

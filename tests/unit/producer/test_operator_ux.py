@@ -189,3 +189,68 @@ def test_settings_errors_never_show_a_credential_and_levels_take_any_case(
     line = settings_error_line(raised.value)
     assert "hunter2" not in line
     assert "CHORUS_KAFKA_SASL_PASSWORD:" in line and "CHORUS_KAFKA_BOOTSTRAP='':" in line
+
+
+# --- the object store's endpoint ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "address", "tls", "url"),
+    [
+        ({"s3_endpoint": "http://127.0.0.1:33827"}, "127.0.0.1:33827", False, "http://127.0.0.1:33827"),
+        ({"s3_endpoint": "https://s3.example.com/"}, "s3.example.com", True, "https://s3.example.com"),
+        (
+            {"s3_endpoint": "HTTPS://s3.example.com:9443", "s3_secure": True},
+            "s3.example.com:9443",
+            True,
+            None,
+        ),
+        ({"s3_endpoint": "127.0.0.1:33827"}, "127.0.0.1:33827", False, "http://127.0.0.1:33827"),
+        ({"s3_endpoint": "minio:9000", "s3_secure": True}, "minio:9000", True, "https://minio:9000"),
+        ({}, "127.0.0.1:9000", False, "http://127.0.0.1:9000"),
+    ],
+)
+def test_the_s3_endpoint_is_a_url_whose_scheme_decides_tls_or_a_bare_address(
+    fields: dict[str, Any], address: str, tls: bool, url: str | None
+) -> None:
+    from workers.settings import WorkerSettings
+    from workers.store import ObjectStore
+
+    settings = WorkerSettings(**fields)
+    assert (settings.s3_address, settings.s3_tls) == (address, tls)
+    assert settings.s3_url == (url or f"https://{address}")
+    store = ObjectStore.from_settings(settings)
+    assert store.endpoint == address and store.secure == tls
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"s3_endpoint": "ftp://minio:9000"}, "scheme must be http or https"),
+        ({"s3_endpoint": "http://minio:9000/bucket"}, "no path"),
+        ({"s3_endpoint": "http://minio:9000", "s3_secure": True}, "contradicts the http://"),
+    ],
+)
+def test_an_s3_endpoint_that_cannot_work_is_refused(fields: dict[str, Any], says: str) -> None:
+    from pydantic import ValidationError
+
+    from producer.settings import settings_error_line
+    from workers.settings import WorkerSettings
+
+    with pytest.raises(ValidationError) as raised:
+        WorkerSettings(**fields)
+    assert says in settings_error_line(raised.value)
+
+
+def test_the_stack_gives_its_services_the_s3_endpoint_as_a_url(tmp_path: Path) -> None:
+    from producer.local.config import StackOptions, service_env
+
+    env = service_env(
+        StackOptions(),
+        state_dir=tmp_path,
+        kafka_address="127.0.0.1:1",
+        s3_address="127.0.0.1:33827",
+        s3_access_key="a",
+        s3_secret_key="b",
+    )
+    assert env["CHORUS_S3_ENDPOINT"] == "http://127.0.0.1:33827"
