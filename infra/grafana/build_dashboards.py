@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 OUT_DIR = HERE / "dashboards"
 
 # infra/ is not an installed package: put this directory on the path so that ``chorus_dashboards`` imports both
-# when the builder runs as a script and when it is loaded from its file (tests/unit/test_metrics_infra.py).
+# when the builder runs as a script and when it is loaded from its file (tests/unit/infra/test_metrics_infra.py).
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 

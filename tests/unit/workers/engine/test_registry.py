@@ -9,7 +9,7 @@ import torch
 
 from producer.catalog import CATALOG
 from producer.contract import ReusePlan, build_request
-from tests.unit.engine.wan_fixture import build_random_wan_dir
+from tests.helpers.wan_fixture import build_random_wan_dir
 from workers.engine import LOADERS, Engine, ModelUnavailable, load_bundle
 from workers.engine import registry as registry_module
 

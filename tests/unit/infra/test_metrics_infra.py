@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from chorus_sched.metrics import SchedulerMetrics
 from workers.metrics import WorkerMetrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROM = ROOT / "infra" / "prometheus"
 GRAFANA = ROOT / "infra" / "grafana"
 RULE_FILES = sorted((PROM / "rules").glob("*.yml"))

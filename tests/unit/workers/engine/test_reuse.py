@@ -9,7 +9,7 @@ import torch
 from diffusers import UniPCMultistepScheduler
 
 from producer.contract import ReusePlan
-from tests.unit.engine.donors import FlakyDonor
+from tests.helpers.donors import FlakyDonor
 from workers.engine import (
     CorruptTrajectory,
     DonorSource,

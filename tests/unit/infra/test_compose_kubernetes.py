@@ -35,7 +35,7 @@ from producer.orders import queue_for
 from workers.metrics import WorkerMetrics
 from workers.settings import WorkerSettings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "infra" / "k8s"
 BASE = K8S / "base"
 CPU = K8S / "overlays" / "cpu"

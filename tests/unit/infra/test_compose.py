@@ -12,7 +12,7 @@
   derived from the pydantic-settings classes, and the values pass that class's validation; commands parse with the
   ``chorus`` CLI; every address a service points at is a service it depends on;
 - clients on the host reach Kafka (an advertised listener on localhost:29092) and the S3 API on loopback only;
-- bind mounts point at files that exist (``tests/unit/test_metrics_infra.py`` checks the Prometheus and Grafana
+- bind mounts point at files that exist (``tests/unit/infra/test_metrics_infra.py`` checks the Prometheus and Grafana
   configuration behind them), and the Dockerfile installs the torch the project pins.
 """
 
@@ -35,7 +35,7 @@ from chorus_sched.settings import SchedulerSettings
 from producer.cli import app as chorus_app
 from workers.settings import WorkerSettings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "infra" / "Dockerfile"
 SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from producer.contract import ReusePlan
-from tests.unit.engine.reference import reference_denoise
+from tests.helpers.reference import reference_denoise
 from workers.engine import Engine
 
 
