@@ -408,11 +408,13 @@ class QueueSampler:
 # ------------------------------------------------------------------------------------------- exposition
 
 
-def serve(settings: SchedulerSettings, *, addr: str = "0.0.0.0") -> Exposition | None:
-    """Serve ``/metrics`` on ``settings.metrics_port`` (0: not at all) and start the queue sampler."""
+def serve(settings: SchedulerSettings, *, addr: str | None = None) -> Exposition | None:
+    """Serve ``/metrics`` on ``settings.metrics_port`` (0: not at all) at ``addr`` (default
+    ``settings.metrics_bind_address``) and start the queue sampler."""
     if settings.metrics_port == 0:
         log.info("metrics not exposed (metrics_port is 0)")
         return None
+    addr = addr or settings.metrics_bind_address
     from producer.broker import app_for_broker
 
     endpoint = listen(settings.metrics_port, addr=addr)

@@ -65,6 +65,9 @@ class SchedulerSettings(KafkaSettings):
     qdrant_api_key: str | None = None
     qdrant_collection: str = "chorus_donors"
     metrics_port: int = Field(default=9101, ge=0, le=65535)
+    # Address the /metrics endpoint listens on: every interface by default (Prometheus scrapes pods and hosts);
+    # the local stack sets loopback.
+    metrics_bind_address: str = Field(default="0.0.0.0", min_length=1)
 
     # --- Reuse --------------------------------------------------------------------------------------------
     # Prompt embedder: MiniLM sentence embeddings (offline package), or a dependency-free hashing embedder.

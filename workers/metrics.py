@@ -417,8 +417,9 @@ def on_process_exit(pid: int | None = None, **_: Any) -> None:
 # ------------------------------------------------------------------------------------------- exposition
 
 
-def serve(settings: WorkerSettings, *, slots_in_main: int = 0, addr: str = "0.0.0.0") -> Exposition | None:
-    """Enable multiprocess mode and serve ``/metrics`` on ``settings.metrics_port`` from this (main) process.
+def serve(settings: WorkerSettings, *, slots_in_main: int = 0, addr: str | None = None) -> Exposition | None:
+    """Enable multiprocess mode and serve ``/metrics`` on ``settings.metrics_port`` at ``addr`` (default
+    ``settings.metrics_bind_address``) from this (main) process.
 
     Call before the pool forks. ``slots_in_main``: execution slots of this process itself (solo and threads
     pools run orders in the main process; prefork children count themselves in ``on_process_init``).
@@ -427,6 +428,7 @@ def serve(settings: WorkerSettings, *, slots_in_main: int = 0, addr: str = "0.0.
     if settings.metrics_port == 0:
         log.info("metrics not exposed (metrics_port is 0)")
         return None
+    addr = addr or settings.metrics_bind_address
     path = enable_multiprocess()
     endpoint = listen(settings.metrics_port, addr=addr, registry=multiprocess_registry(path))
     if endpoint is None:

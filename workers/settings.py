@@ -27,6 +27,9 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     s3_timeout_s: float = Field(default=30.0, gt=0, le=600)
     s3_write_retry_s: float = Field(default=60.0, ge=0, le=600)
     metrics_port: int = Field(default=9102, ge=0, le=65535)
+    # Address the /metrics endpoint listens on: every interface by default (Prometheus scrapes pods and hosts);
+    # the local stack sets loopback.
+    metrics_bind_address: str = Field(default="0.0.0.0", min_length=1)
     device: str = "cpu"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     # Local diffusers directory of Wan2.1-T2V-1.3B; weights are never downloaded at run time.
@@ -46,6 +49,9 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     # Deliveries of one order (worker lost, broker redelivery) after which it is answered `failed` rather
     # than run again, so a request that kills its worker cannot loop forever.
     task_max_attempts: int = Field(default=3, ge=1, le=100)
+    # How often a running worker announces the models it serves (the scheduler rejects orders for a model no live
+    # worker has announced within its CHORUS_WORKER_PRESENCE_TTL_S).
+    worker_presence_s: float = Field(default=5.0, gt=0, le=300)
     # How often a running order writes its heartbeat into the task state (the scheduler's watchdog reads it).
     worker_heartbeat_s: float = Field(default=5.0, gt=0, le=300)
     # Retries of a task whose result could not be published to Kafka (the whole order runs again).

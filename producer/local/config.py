@@ -95,6 +95,8 @@ def service_env(
             "CHORUS_QDRANT_PATH": "",
             "CHORUS_EMBEDDER": opts.embedder,
             "CHORUS_WORKER_MODELS": ",".join(opts.models),
+            # Every process' /metrics on loopback only, like the stand-ins.
+            "CHORUS_METRICS_BIND_ADDRESS": "127.0.0.1",
             # Consumers see the (pre-created) topics' partitions within a second of joining.
             "CHORUS_KAFKA_METADATA_MAX_AGE_MS": "1000",
         }

@@ -254,3 +254,56 @@ def test_the_stack_gives_its_services_the_s3_endpoint_as_a_url(tmp_path: Path) -
         s3_secret_key="b",
     )
     assert env["CHORUS_S3_ENDPOINT"] == "http://127.0.0.1:33827"
+
+
+# --- the metrics endpoint's address -----------------------------------------------------------------------------
+
+
+def test_both_services_serve_metrics_on_the_configured_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chorus_sched import metrics as sched_metrics
+    from chorus_sched.settings import SchedulerSettings
+    from workers import metrics as worker_metrics
+    from workers.settings import WorkerSettings
+
+    asked: list[str] = []
+
+    def listen(port: int, *, addr: str, **_: Any) -> None:
+        asked.append(addr)
+
+    monkeypatch.setattr(sched_metrics, "listen", listen)
+    monkeypatch.setattr(worker_metrics, "listen", listen)
+    monkeypatch.setattr(worker_metrics, "enable_multiprocess", lambda: Path("/nonexistent"))
+    monkeypatch.setattr(worker_metrics, "multiprocess_registry", lambda path: None)
+    assert SchedulerSettings().metrics_bind_address == WorkerSettings().metrics_bind_address == "0.0.0.0"
+    monkeypatch.setenv("CHORUS_METRICS_BIND_ADDRESS", "127.0.0.1")
+    sched_metrics.serve(SchedulerSettings(metrics_port=9))
+    worker_metrics.serve(WorkerSettings(metrics_port=9))
+    assert asked == ["127.0.0.1", "127.0.0.1"]
+
+
+def test_an_endpoint_on_one_loopback_address_is_not_on_another() -> None:
+    from producer.metrics_server import listen
+
+    exposition = listen(0, addr="127.0.0.2")
+    assert exposition is not None
+    try:
+        with socket.create_connection(("127.0.0.2", exposition.port), timeout=2):
+            pass
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", exposition.port), timeout=2)
+    finally:
+        exposition.close()
+
+
+def test_the_local_stack_serves_metrics_on_loopback(tmp_path: Path) -> None:
+    from producer.local.config import StackOptions, service_env
+
+    env = service_env(
+        StackOptions(),
+        state_dir=tmp_path,
+        kafka_address="x:1",
+        s3_address="x:2",
+        s3_access_key="a",
+        s3_secret_key="b",
+    )
+    assert env["CHORUS_METRICS_BIND_ADDRESS"] == "127.0.0.1"
