@@ -14,7 +14,7 @@ import pytest
 from producer.contract import ResultStatus
 from producer.local.stack import EmbeddedStack
 from producer.orders import Role, trajectory_prefix, video_key
-from tests.integration.test_e2e import (
+from tests.helpers.e2e import (
     STEPS,
     donor_index,
     events,

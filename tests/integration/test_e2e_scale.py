@@ -27,7 +27,7 @@ from producer.contract import ResultStatus, job_id
 from producer.local.stack import EmbeddedStack
 from producer.orders import Role
 from producer.sdk import ChorusClient
-from tests.integration.test_e2e import (
+from tests.helpers.e2e import (
     WAIT_S,
     check_ran_once,
     donor_index,
