@@ -19,7 +19,13 @@ from typing import Any
 
 from celery import Celery
 
-from producer.broker import app_for_broker, send_evict, send_generate
+from producer.broker import (
+    app_for_broker,
+    mark_order_answered,
+    model_last_seen,
+    send_evict,
+    send_generate,
+)
 from producer.orders import EvictOrder, WorkOrder, heartbeat_of
 
 log = logging.getLogger(__name__)
@@ -54,6 +60,14 @@ class Dispatcher:
         """The order's Celery state (PENDING until a worker starts it) and its worker's last heartbeat."""
         result = self.app.AsyncResult(task_id)
         return str(result.state), heartbeat_of(result.info)
+
+    def model_last_seen(self, model: str) -> float | None:
+        """When a worker last announced ``model`` (``producer.broker.announce_models``)."""
+        return model_last_seen(self.app, model)
+
+    def mark_answered(self, task_id: str) -> None:
+        """A worker that takes this order later skips it (the scheduler answered it itself)."""
+        mark_order_answered(self.app, task_id)
 
     def evict(self, order: EvictOrder) -> None:
         send_evict(self.app, order)

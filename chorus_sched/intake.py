@@ -212,7 +212,11 @@ class Intake:
                     while pending:
                         m, request = pending[0]
                         try:
-                            self._schedule(request, vectors.get(request.job_id) if index_up else None)
+                            self._schedule(
+                                request,
+                                vectors.get(request.job_id) if index_up else None,
+                                origin=f"{m.topic}:{m.partition}:{m.offset}",
+                            )
                         except Exception as exc:
                             self._failed(m, progress, exc, request)
                         pending.pop(0)
@@ -353,7 +357,7 @@ class Intake:
         METRICS.count_lookup(decision, cross_tenant_blocked=blocked)
         return decision
 
-    def _schedule(self, request: GenerationRequest, vector: list[float] | None) -> None:
+    def _schedule(self, request: GenerationRequest, vector: list[float] | None, *, origin: str = "") -> None:
         rid = request.job_id  # a donor is known by its job id: request ids are per tenant
         try:
             with METRICS.phase("search"):
@@ -407,7 +411,7 @@ class Intake:
                 except Exception as exc:  # the leader entry goes stale and is dropped by maintenance
                     log.warning("could not remove an undispatched leader", extra={"error": repr(exc)})
             raise
-        self._record_dispatch(request, decision, order)
+        self._record_dispatch(request, decision, order, origin)
         try:
             self.exact.running(request)
         except Exception as exc:  # identical requests then run too; nothing is lost
@@ -432,7 +436,9 @@ class Intake:
             },
         )
 
-    def _record_dispatch(self, request: GenerationRequest, decision: Decision, order: WorkOrder) -> None:
+    def _record_dispatch(
+        self, request: GenerationRequest, decision: Decision, order: WorkOrder, origin: str = ""
+    ) -> None:
         rid = request.job_id
         donor = decision.donor
         record = RequestRecord(
@@ -449,6 +455,7 @@ class Intake:
             planned_steps_saved=decision.steps_saved_estimate,
             scheduler=self.instance,
             order=order.model_dump_json(),
+            origin=origin,
             dispatched_at=self.clock(),
         )
         # The order is on the broker: from here on the message counts as handled (a retry would duplicate

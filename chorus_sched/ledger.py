@@ -93,6 +93,8 @@ class RequestRecord(BaseModel):
     # The WorkOrder as sent (JSON), when it was (last) sent, and how many times the watchdog sent it again: what
     # ``chorus_sched.watchdog`` needs to re-send an order whose worker vanished.
     order: str | None = None
+    # Where the request was read (topic:partition:offset), so a dead letter about it can say where it is.
+    origin: str = ""
     dispatched_at: float | None = None
     redispatches: int = Field(default=0, ge=0)
 

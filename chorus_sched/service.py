@@ -124,13 +124,17 @@ class Scheduler:
 
     def maintain(self) -> list[str]:
         """Apply the cache policy (``CacheMaintenance.maintain``); returns the request ids evicted now. Then
-        send again the orders whose workers vanished (``OrderWatchdog.check``)."""
+        check the orders in flight (``check_orders``)."""
         evicted = self.cache.maintain()
+        self.check_orders()
+        return evicted
+
+    def check_orders(self) -> None:
+        """Send again the orders whose workers vanished, reject those no worker serves (``OrderWatchdog``)."""
         try:
             self.watchdog.check()
-        except Exception as exc:  # the next maintenance checks again
+        except Exception as exc:  # the next check tries again
             log.warning("order watchdog failed; will retry", extra={"error": repr(exc)})
-        return evicted
 
 
 def build_scheduler(
@@ -213,17 +217,22 @@ def run(
     if scheduler is None:
         scheduler, close = build_scheduler(settings)
     instance = scheduler.instance
-    next_maintenance = time.monotonic()
+    next_maintenance = next_check = time.monotonic()
 
     def maintain() -> None:
-        nonlocal next_maintenance
-        if time.monotonic() < next_maintenance:
-            return
-        try:
-            scheduler.maintain()
-        except Exception as exc:
-            log.warning("cache maintenance failed; will retry", extra={"error": repr(exc)})
-        next_maintenance = time.monotonic() + settings.evict_interval_s
+        # Two cadences: the cache policy every evict_interval_s, the order watchdog every watchdog_interval_s
+        # (an order no worker serves is answered within seconds, not at the next eviction).
+        nonlocal next_maintenance, next_check
+        now = time.monotonic()
+        if now >= next_maintenance:
+            try:
+                scheduler.cache.maintain()
+            except Exception as exc:
+                log.warning("cache maintenance failed; will retry", extra={"error": repr(exc)})
+            next_maintenance = time.monotonic() + settings.evict_interval_s
+        if now >= next_check:
+            scheduler.check_orders()
+            next_check = time.monotonic() + settings.watchdog_interval_s
 
     loops = [
         ConsumerLoop(

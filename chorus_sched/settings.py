@@ -56,6 +56,11 @@ class SchedulerSettings(KafkaSettings):
     worker_lost_after_s: float = Field(default=60.0, gt=0)
     order_pending_lost_after_s: float = Field(default=1800.0, gt=0)
     max_redispatches: int = Field(default=2, ge=0, le=20)
+    # An order not started after no_worker_after_s, for a model no worker announced within worker_presence_ttl_s,
+    # is answered rejected (no_worker) with a dead letter; how often the watchdog looks (apart from eviction).
+    no_worker_after_s: float = Field(default=10.0, gt=0)
+    worker_presence_ttl_s: float = Field(default=30.0, gt=0)
+    watchdog_interval_s: float = Field(default=5.0, gt=0)
     # Qdrant server URL; empty means Qdrant local mode at qdrant_path (default: state_dir/qdrant).
     qdrant_url: str = ""
     qdrant_path: str = ""

@@ -26,18 +26,34 @@ from chorus_sched.batch import Publisher
 from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
 from chorus_sched.settings import SchedulerSettings
-from producer.contract import ErrorInfo, GenerationResult, ResultStatus
+from producer.broker import ANY_MODEL
+from producer.contract import DeadLetter, ErrorInfo, FieldIssue, GenerationResult, ResultStatus
 from producer.orders import WorkOrder
 
 log = logging.getLogger(__name__)
 
 STARTED_STATES = ("STARTED", "PROGRESS")
+NO_WORKER = "no_worker"
+
+
+def _origin(origin: str, default_topic: str) -> tuple[str, int, int]:
+    """(topic, partition, offset) of a request's message, as recorded at intake ("" for an older record)."""
+    topic, _, rest = origin.rpartition(":")
+    head, _, partition = topic.rpartition(":")
+    try:
+        return head, int(partition), int(rest)
+    except ValueError:
+        return default_topic, 0, 0
 
 
 class OrderPort(Protocol):
     def generate(self, order: WorkOrder) -> None: ...
 
     def task_state(self, task_id: str) -> tuple[str, float | None]: ...
+
+    def model_last_seen(self, model: str) -> float | None: ...
+
+    def mark_answered(self, task_id: str) -> None: ...
 
 
 class OrderWatchdog:
@@ -62,7 +78,12 @@ class OrderWatchdog:
         acted = []
         for record in self.ledger.dispatched_records():
             sent_at = record.dispatched_at or record.accepted_at
-            if record.order is None or now - sent_at < self.settings.order_check_after_s:
+            if record.order is None:
+                continue
+            if now - sent_at >= self.settings.no_worker_after_s and self._nobody_serves(record, now):
+                acted.append(record.request_id)
+                continue
+            if now - sent_at < self.settings.order_check_after_s:
                 continue
             why = self._lost(record.request_id, sent_at, now)
             if why is None:
@@ -73,6 +94,53 @@ class OrderWatchdog:
             else:
                 self._redispatch(record, why, now)
         return acted
+
+    def _nobody_serves(self, record: RequestRecord, now: float) -> bool:
+        """An order no worker will take — workers are running, but none announced its model lately — is answered
+        rejected, with a dead letter, instead of waiting in its queue forever; a worker that comes later skips it.
+        With no live worker at all the order waits (workers may be starting or scaled to zero)."""
+        ttl = self.settings.worker_presence_ttl_s
+        anyone = self.dispatcher.model_last_seen(ANY_MODEL)
+        if anyone is None or now - anyone > ttl:
+            return False  # no worker at all yet (starting up, or scaled to zero): the order waits for one
+        seen = self.dispatcher.model_last_seen(record.model)
+        if seen is not None and now - seen <= ttl:
+            return False
+        state, _ = self.dispatcher.task_state(record.request_id)
+        if state != "PENDING":
+            return False
+        order = WorkOrder.model_validate_json(record.order or "")
+        when = "ever" if seen is None else f"in the last {ttl:g} s"
+        message = (
+            f"no worker serves model {record.model!r} (none announced it {when}); start one with "
+            f"`chorus worker --model {record.model}` and send the request again"
+        )
+        self.dispatcher.mark_answered(record.request_id)
+        topic, partition, offset = _origin(record.origin, self.settings.kafka_requests_topic)
+        letter = DeadLetter.of_message(
+            order.request.to_bytes(),
+            order.request.request_id.encode(),
+            ErrorInfo(code=NO_WORKER, message=message),
+            [FieldIssue(field="model", rule=NO_WORKER, message=message)],
+            topic=topic,
+            partition=partition,
+            offset=offset,
+        )
+        self.publish(self.settings.kafka_dead_letter_topic, order.request.request_id, letter.to_bytes())
+        rejected = GenerationResult(
+            request_id=order.request.request_id,
+            tenant=order.request.tenant,
+            status=ResultStatus.REJECTED,
+            error=ErrorInfo(code=NO_WORKER, message=message),
+        )
+        self.publish(self.settings.kafka_results_topic, order.request.request_id, rejected.to_bytes())
+        self.ledger.set_state(record.request_id, RequestState.FAILED)
+        METRICS.count_dead_letter(NO_WORKER, rejected=True)
+        log.error(
+            "order rejected: no worker serves its model",
+            extra={"job": record.request_id, "model": record.model},
+        )
+        return True
 
     def _lost(self, job: str, sent_at: float, now: float) -> str | None:
         state, heartbeat = self.dispatcher.task_state(job)

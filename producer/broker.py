@@ -21,7 +21,7 @@ task). JSON is the only serializer accepted.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -223,3 +223,45 @@ def send_evict(app: Celery, order: EvictOrder, **options: Any) -> AsyncResult[An
         exchange=EXCHANGE.name,
         **options,
     )
+
+
+# Beside a task's state in the result backend: the mark that its result was published (or that the scheduler
+# answered it itself), so a later delivery of the same order is skipped instead of answered twice.
+ANSWERED_SUFFIX = ".answered"
+
+
+# --- which models have live workers ----------------------------------------------------------------------------
+# A worker announces, every few seconds, each model it serves by writing the time under a key beside the task
+# results (the result backend is the one store both sides already reach). The scheduler reads it to tell an
+# order that waits for a busy worker from one that no worker will ever take.
+_PRESENCE = "chorus-presence-"
+
+
+def _presence_key(app: Celery, model: str) -> Any:
+    return app.backend.get_key_for_task(f"{_PRESENCE}{model}")
+
+
+ANY_MODEL = "*"
+
+
+def announce_models(app: Celery, models: Sequence[str], *, now: float) -> None:
+    """Record that a worker serving ``models`` is alive at ``now`` (unix seconds); ``ANY_MODEL`` records that some
+    worker is."""
+    for model in [*models, ANY_MODEL]:
+        app.backend.set(_presence_key(app, model), repr(now).encode())
+
+
+def model_last_seen(app: Celery, model: str) -> float | None:
+    """When a worker last announced ``model`` (unix seconds), or None if none ever did (or the key expired)."""
+    raw = app.backend.get(_presence_key(app, model))
+    if raw is None:
+        return None
+    try:
+        return float(raw.decode() if isinstance(raw, bytes) else raw)
+    except ValueError:
+        return None
+
+
+def mark_order_answered(app: Celery, task_id: str) -> None:
+    """Mark a task answered (a worker that takes it later skips it): for an order the scheduler answered itself."""
+    app.backend.set(app.backend.get_key_for_task(task_id, key=ANSWERED_SUFFIX), b"1")

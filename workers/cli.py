@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import re
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from producer.catalog import ModelName
 from producer.readiness import ReadinessEvent
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def worker(
-    model: list[str] | None = typer.Option(
+    model: list[ModelName] | None = typer.Option(
         None,
         "--model",
         "-m",
@@ -36,8 +37,8 @@ def worker(
     ),
     min_processes: int | None = typer.Option(None, help="Lower autoscale bound (default from settings)."),
     max_processes: int | None = typer.Option(None, help="Upper autoscale bound (default from settings)."),
-    pool: str = typer.Option(
-        "prefork", help="Celery pool: prefork (default) or solo (one process, debugging)."
+    pool: Literal["prefork", "solo", "threads"] = typer.Option(
+        "prefork", help="Celery pool: prefork, solo (one process, debugging) or threads."
     ),
     hostname: str | None = typer.Option(
         None, "--hostname", "-n", help="Worker name (default chorus@<host>)."
@@ -54,6 +55,7 @@ def worker(
     from producer.logs import configure_logging
     from producer.settings import settings_error_line
     from workers.app import create_app
+    from workers.presence import announcing
     from workers.settings import WorkerSettings
 
     err = Console(stderr=True)
@@ -71,9 +73,6 @@ def worker(
     except ValidationError as exc:
         err.print(f"[bold red]error:[/] {escape(settings_error_line(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from None
-    if pool not in ("prefork", "solo", "threads"):
-        err.print(f"[bold red]error:[/] unknown pool {pool!r} (prefork, solo or threads)")
-        raise typer.Exit(code=2)
     configure_logging(settings.log_level, settings.log_format)
 
     # Metrics: multiprocess mode and the endpoint start here, in the main process, before any metric exists
@@ -103,18 +102,7 @@ def worker(
         close_runners()
 
     if preload:
-        # Loading can take minutes (Wan2.1); give each new process that long to report that it is up.
-        app.conf.worker_proc_alive_timeout = max(60.0, settings.task_soft_time_limit_s)
-
-        @worker_process_init.connect(weak=False)
-        def _load_models(**_: Any) -> None:
-            from workers.runner import engine_for
-
-            for m in models:
-                try:
-                    engine_for(m, settings)
-                except Exception as exc:  # the process stays up; orders for m then fail with the reason
-                    log.error(ReadinessEvent.MODEL_NOT_PRELOADED, extra={"model": m, "error": str(exc)})
+        _preload_in_each_process(app, settings, models)
 
     Console().print(
         f"[bold]chorus worker[/] {escape(name)}: models [bold]{escape(', '.join(models))}[/] on "
@@ -123,10 +111,29 @@ def worker(
         + (f"; metrics on :{exposition.port}" if exposition is not None else "")
     )
     try:
-        app.worker_main(argv)
+        with announcing(app, models, settings.worker_presence_s):
+            app.worker_main(argv)
     finally:
         if exposition is not None:
             exposition.close()
+
+
+def _preload_in_each_process(app: Any, settings: Any, models: list[str]) -> None:
+    """Load the served models when each pool process starts, not on its first order."""
+    from celery.signals import worker_process_init
+
+    # Loading can take minutes (Wan2.1); give each new process that long to report that it is up.
+    app.conf.worker_proc_alive_timeout = max(60.0, settings.task_soft_time_limit_s)
+
+    @worker_process_init.connect(weak=False)
+    def _load_models(**_: Any) -> None:
+        from workers.runner import engine_for
+
+        for m in models:
+            try:
+                engine_for(m, settings)
+            except Exception as exc:  # the process stays up; orders for m then fail with the reason
+                log.error(ReadinessEvent.MODEL_NOT_PRELOADED, extra={"model": m, "error": str(exc)})
 
 
 def worker_argv(

@@ -22,6 +22,7 @@ from celery import Celery, Task
 from pydantic import ValidationError
 
 from producer import broker
+from producer.broker import ANSWERED_SUFFIX
 from producer.orders import EVICT_TASK, GENERATE_TASK, HEARTBEAT_FIELD, EvictOrder
 from workers.metrics import busy, metrics
 from workers.results import ResultNotPublished
@@ -31,7 +32,6 @@ from workers.store import StoreError, store_for
 log = logging.getLogger(__name__)
 
 _ATTEMPTS_SUFFIX = ".attempts"
-_ANSWERED_SUFFIX = ".answered"
 
 
 def settings_of(app: Celery) -> WorkerSettings:
@@ -172,7 +172,7 @@ def attempts_key(task: Task) -> Any:
 
 def was_answered(task: Task) -> bool:
     """Whether a delivery of this task already published its result (best-effort: False when unknown)."""
-    key = _backend_key(task, _ANSWERED_SUFFIX)
+    key = _backend_key(task, ANSWERED_SUFFIX)
     try:
         return key is not None and task.backend.get(key) is not None
     except Exception as exc:
@@ -181,7 +181,7 @@ def was_answered(task: Task) -> bool:
 
 
 def mark_answered(task: Task) -> None:
-    key = _backend_key(task, _ANSWERED_SUFFIX)
+    key = _backend_key(task, ANSWERED_SUFFIX)
     try:
         if key is not None:
             task.backend.set(key, b"1")

@@ -340,6 +340,30 @@ def test_an_order_whose_worker_vanished_is_sent_again_by_maintenance(make_settin
         close()
 
 
+def test_an_order_for_a_model_no_live_worker_serves_is_rejected_within_seconds(make_settings: Any) -> None:
+    from producer.broker import announce_models, model_last_seen
+
+    settings = make_settings(no_worker_after_s=1.0, watchdog_interval_s=0.5)
+    app = celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix)
+    # Workers run, but only for another model (what `chorus worker` announces every few seconds).
+    announce_models(app, ["tiny-random-wan"], now=time.time())
+    assert model_last_seen(app, "tiny-random-wan") is not None and model_last_seen(app, "toy") is None
+    h = Harness(settings, app)
+    try:
+        started = time.monotonic()
+        h.publish(request(request_id="nobody-serves-it"))
+        [rejected] = results_of(settings, 1)
+        assert time.monotonic() - started < 20
+        assert rejected.request_id == "nobody-serves-it" and rejected.status is ResultStatus.REJECTED
+        assert rejected.error is not None and rejected.error.code == "no_worker"
+        assert "chorus worker --model toy" in rejected.error.message
+        [letter] = dead_letters(settings, 1)
+        assert letter.error.code == "no_worker" and letter.topic == settings.kafka_requests_topic
+        assert GenerationRequest.model_validate_json(letter.raw()).request_id == "nobody-serves-it"
+    finally:
+        h.close()
+
+
 def test_requests_become_one_task_each_bad_ones_are_dead_lettered_and_duplicates_skipped(
     harness: Harness,
 ) -> None:

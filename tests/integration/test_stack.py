@@ -86,6 +86,15 @@ def test_the_stack_serves_stops_cleanly_and_restarts_with_its_objects_and_donors
         store = stack.object_store()
         assert store.exists(video_key("stack-first", "mp4"))
         assert store.exists(trajectory_header_key("stack-first"))
+        # A model no worker of this stack serves (as the README's kcat example, against the demo stack): a clear
+        # rejection within seconds, not an order that waits in a queue forever.
+        started = time.monotonic()
+        unserved = build_request(request_id="stack-unserved", prompt=PROMPT, model="toy")
+        with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
+            client.submit(unserved)
+            [rejected] = list(watcher.wait([unserved], timeout_s=60))
+        assert rejected.status is ResultStatus.REJECTED and rejected.error is not None
+        assert rejected.error.code == "no_worker" and time.monotonic() - started < 30
         stack.wait_idle()
         processes = list(stack.processes)
         helpers = [s.process for s in (stack.kafka, stack.s3) if s is not None]

@@ -14,7 +14,7 @@ from chorus_sched.ledger import RequestRecord, RequestState
 from chorus_sched.ledger_sqlite import SqliteLedger
 from chorus_sched.settings import SchedulerSettings
 from chorus_sched.watchdog import OrderWatchdog
-from producer.contract import GenerationResult, ResultStatus, ReusePlan, build_request
+from producer.contract import DeadLetter, GenerationResult, ResultStatus, ReusePlan, build_request
 from producer.orders import WorkOrder
 
 
@@ -22,12 +22,20 @@ class FakeCelery:
     def __init__(self) -> None:
         self.states: dict[str, tuple[str, float | None]] = {}
         self.sent: list[WorkOrder] = []
+        self.seen: dict[str, float] = {}  # model -> when a worker last announced it
+        self.answered: list[str] = []
 
     def generate(self, order: WorkOrder) -> None:
         self.sent.append(order)
 
     def task_state(self, task_id: str) -> tuple[str, float | None]:
         return self.states.get(task_id, ("PENDING", None))
+
+    def model_last_seen(self, model: str) -> float | None:
+        return self.seen.get(model)
+
+    def mark_answered(self, task_id: str) -> None:
+        self.answered.append(task_id)
 
 
 class Clock:
@@ -133,3 +141,35 @@ def test_an_answered_request_is_no_longer_watched(ledger: SqliteLedger, tmp_path
     ledger.set_state(order.request.job_id, RequestState.DONE)
     clock.now += 10_000
     assert ledger.dispatched_records() == [] and watchdog.check() == [] and celery.sent == []
+
+
+def test_an_order_for_a_model_no_live_worker_serves_is_rejected_with_a_dead_letter(
+    ledger: SqliteLedger, tmp_path: Path
+) -> None:
+    watchdog, celery, clock, published = setup(ledger, tmp_path)
+    order = dispatch(ledger, clock.now, tenant="acme")
+    job = order.request.job_id
+    clock.now += 11  # past no_worker_after_s (10 s by default)
+    assert watchdog.check() == []  # no worker at all yet: it waits for one
+    celery.seen = {"*": clock.now, "tiny-random-wan": clock.now}  # workers run, for another model
+    assert watchdog.check() == [job]
+    letter_raw, result_raw = published
+    letter = DeadLetter.model_validate_json(letter_raw)
+    assert letter.error.code == "no_worker" and [(i.field, i.rule) for i in letter.issues] == [
+        ("model", "no_worker")
+    ]
+    assert "chorus worker --model toy" in letter.error.message
+    rejected = GenerationResult.model_validate_json(result_raw)
+    assert (rejected.request_id, rejected.tenant, rejected.status) == ("r-1", "acme", ResultStatus.REJECTED)
+    assert celery.answered == [job] and celery.sent == []  # a worker that comes later skips it
+    assert ledger.state(job) == "failed"  # and it may be sent again
+
+
+def test_an_order_for_a_model_a_live_worker_serves_waits_its_turn(
+    ledger: SqliteLedger, tmp_path: Path
+) -> None:
+    watchdog, celery, clock, published = setup(ledger, tmp_path)
+    dispatch(ledger, clock.now)
+    clock.now += 25
+    celery.seen = {"*": clock.now - 3, "toy": clock.now - 3}
+    assert watchdog.check() == [] and published == [] and celery.answered == []
