@@ -7,6 +7,8 @@ registry (``workers.engine.registry``) must hold one loader for every name liste
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -106,6 +108,14 @@ CATALOG: dict[str, ModelSpec] = {
         ),
     )
 }
+
+
+class ModelName(StrEnum):
+    """The catalog's names, for command-line options that list them as choices (a unit test keeps the two equal)."""
+
+    TOY = "toy"
+    TINY_RANDOM_WAN = "tiny-random-wan"
+    WAN21_T2V_1_3B = "wan2.1-t2v-1.3b"
 
 
 def get_spec(name: str) -> ModelSpec | None:

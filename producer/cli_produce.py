@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from producer.catalog import ModelName
 from producer.contract import ContractError, GenerationRequest, GenerationResult, ResultStatus, ReusePolicy
 from producer.logs import configure_logging
 
@@ -36,7 +37,7 @@ def produce(
     request_id: str | None = typer.Option(None, help="Request id (default: a new UUID). Not with --file."),
     tenant: str | None = typer.Option(None, help="Tenant (default 'default')."),
     negative_prompt: str | None = typer.Option(None, help="Negative prompt."),
-    model: str | None = typer.Option(None, help="Model name from the catalog (default 'toy')."),
+    model: ModelName | None = typer.Option(None, help="Model from the catalog (default 'toy')."),
     num_frames: int | None = typer.Option(None, help="Frames (default: the model's)."),
     height: int | None = typer.Option(None, help="Height in pixels (default: the model's)."),
     width: int | None = typer.Option(None, help="Width in pixels (default: the model's)."),

@@ -22,7 +22,25 @@ STACK_HINT = (
 )
 
 
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"chorus {version('chorus')}"
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "chorus (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_text())
+        raise typer.Exit()
+
+
 def root(
+    _version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
     debug: bool = typer.Option(
         False,
         "--debug",

@@ -14,12 +14,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from producer.catalog import ModelName
+from workers.cli_options import aliased
 
 if TYPE_CHECKING:
     from producer.contract import GenerationRequest, ReusePlan
@@ -49,21 +52,28 @@ def _setup_logging(verbose: bool) -> None:
 
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="What the video shows."),
-    model: str = typer.Option(
-        "toy", "--model", "-m", help="Registry model: toy, tiny-random-wan, wan2.1-t2v-1.3b."
-    ),
+    model: ModelName = typer.Option(ModelName.TOY, "--model", "-m", help="Registry model."),
     negative_prompt: str | None = typer.Option(None, help="Negative prompt (used when guidance > 1)."),
-    steps: int | None = typer.Option(None, "--steps", "-n", help="Denoising steps (default: the model's)."),
+    num_steps: int | None = typer.Option(
+        None, "--num-steps", "-n", help="Denoising steps (default: the model's)."
+    ),
+    steps: int | None = typer.Option(None, "--steps", hidden=True),
     seed: int = typer.Option(0, help="Noise seed."),
-    frames: int | None = typer.Option(None, "--frames", help="Number of frames (default: the model's)."),
+    num_frames: int | None = typer.Option(
+        None, "--num-frames", help="Number of frames (default: the model's)."
+    ),
+    frames: int | None = typer.Option(None, "--frames", hidden=True),
     height: int | None = typer.Option(None, help="Height in pixels (default: the model's)."),
     width: int | None = typer.Option(None, help="Width in pixels (default: the model's)."),
-    guidance: float | None = typer.Option(None, "--guidance", "-g", help="CFG scale (default: the model's)."),
+    guidance_scale: float | None = typer.Option(
+        None, "--guidance-scale", "-g", help="CFG scale (default: the model's)."
+    ),
+    guidance: float | None = typer.Option(None, "--guidance", hidden=True),
     output: Path | None = typer.Option(
         None, "--output", "-o", help="Video file (default chorus-<id>.<format>)."
     ),
-    fmt: str | None = typer.Option(
-        None, "--format", help="mp4 or gif (default: the output's suffix, else CHORUS_VIDEO_FORMAT)."
+    fmt: Literal["mp4", "gif"] | None = typer.Option(
+        None, "--format", help="Video format (default: the output's suffix, else CHORUS_VIDEO_FORMAT)."
     ),
     fps: int | None = typer.Option(None, help="Frames per second of the video (default: the model's)."),
     donor: Path | None = typer.Option(None, help="A trajectory file (from --save-trajectory) to reuse."),
@@ -81,11 +91,13 @@ def generate(
     min_active: float = typer.Option(0.05, help="Minimum fraction of tokens recomputed in a Stage-2 step."),
     max_active: float = typer.Option(1.0, help="Maximum fraction of tokens recomputed in a Stage-2 step."),
     save_trajectory: Path | None = typer.Option(None, help="Write this request's trajectory here."),
-    trajectory_dtype: str = typer.Option(
-        "float16", help="Storage dtype of --save-trajectory: float32 or float16."
+    trajectory_dtype: Literal["float32", "float16"] = typer.Option(
+        "float16", help="Storage dtype of --save-trajectory."
     ),
     device: str | None = typer.Option(None, help="Torch device (default CHORUS_DEVICE)."),
-    dtype: str | None = typer.Option(None, help="float32, float16 or bfloat16 (default CHORUS_DTYPE)."),
+    dtype: Literal["float32", "float16", "bfloat16"] | None = typer.Option(
+        None, help="Torch dtype (default CHORUS_DTYPE)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log the engine's decisions (INFO)."),
 ) -> None:
@@ -97,16 +109,14 @@ def generate(
     request = _build_request(
         {"prompt": prompt, "model": model, "seed": seed},
         negative_prompt=negative_prompt,
-        num_steps=steps,
-        num_frames=frames,
+        num_steps=aliased(num_steps, steps, "--num-steps", "--steps"),
+        num_frames=aliased(num_frames, frames, "--num-frames", "--frames"),
         height=height,
         width=width,
-        guidance_scale=guidance,
+        guidance_scale=aliased(guidance_scale, guidance, "--guidance-scale", "--guidance"),
     )
     stages = (k1, k2, k3)
     plan = _plan(request.num_steps, donor, stages, alpha, mask_threshold, (min_active, max_active))
-    if trajectory_dtype not in ("float32", "float16"):
-        _fail("--trajectory-dtype must be float32 or float16")
     video_fmt = fmt or (
         output.suffix.lstrip(".").lower() if output and output.suffix else settings.video_format
     )
@@ -128,7 +138,7 @@ def generate(
     out_path.write_bytes(data)
     traj_bytes = None
     if save_trajectory is not None:
-        traj_bytes = result.trajectory.save(save_trajectory, trajectory_dtype)  # type: ignore[arg-type]
+        traj_bytes = result.trajectory.save(save_trajectory, trajectory_dtype)
 
     summary = {
         **result.summary(),

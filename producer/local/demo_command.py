@@ -43,6 +43,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from producer.catalog import ModelName
 from producer.local.demo_outputs import write_contact_sheet, write_summary, write_videos
 from producer.local.demo_stream import KINDS, build_stream, publish_and_follow
 from producer.local.demo_summary import (
@@ -53,6 +54,7 @@ from producer.local.demo_summary import (
     print_report,
     summarize,
 )
+from workers.cli_options import aliased
 
 if TYPE_CHECKING:
     from producer.contract import GenerationRequest
@@ -102,17 +104,20 @@ def demo(
         max=len(KINDS),
         help="Requests per family: " + ", ".join(KINDS) + " (in that order).",
     ),
-    model: str = typer.Option(
-        "toy", help="Model to serve (the toy model, or tiny-random-wan: random weights)."
+    model: ModelName = typer.Option(
+        ModelName.TOY, help="Model to serve (the toy model, or tiny-random-wan: random weights)."
     ),
-    steps: int | None = typer.Option(None, help="Denoising steps per request (default: the model's)."),
+    num_steps: int | None = typer.Option(
+        None, "--num-steps", help="Denoising steps per request (default: the model's)."
+    ),
+    steps: int | None = typer.Option(None, "--steps", hidden=True),
     seed: int = typer.Option(0, help="Chooses the families; the same seed publishes the same prompts."),
     fresh: bool = typer.Option(
         False, "--fresh", help="Wipe the state directory first (no donors from earlier runs)."
     ),
     concurrency: int = typer.Option(1, "--concurrency", "-c", min=1, max=16, help="Processes per worker."),
     workers: int = typer.Option(1, min=1, max=8, help="chorus worker processes."),
-    embedder: str = typer.Option("minilm", help="Prompt embedder of the scheduler: minilm or hashing."),
+    embedder: Literal["minilm", "hashing"] = typer.Option("minilm", help="Prompt embedder of the scheduler."),
     interval: float = typer.Option(0.2, min=0.0, help="Seconds between two published requests."),
     timeout: float = typer.Option(600.0, min=1.0, help="Seconds to wait for all results."),
     metrics_port: int = typer.Option(
@@ -131,14 +136,14 @@ def demo(
     err = Console(stderr=True)
     configure_logging("INFO" if verbose else "WARNING", "console")
     logging.getLogger("kafka").setLevel(logging.ERROR)
-    num_steps = _num_steps(err, model, embedder, steps)
+    steps_per_request = _num_steps(err, model, embedder, aliased(num_steps, steps, "--num-steps", "--steps"))
     run = DemoRun(
         out=out,
         state_dir=state_dir,
         families=families,
         per_family=per_family,
         model=model,
-        num_steps=num_steps,
+        num_steps=steps_per_request,
         seed=seed,
         fresh=fresh,
         concurrency=concurrency,
@@ -185,7 +190,7 @@ def _num_steps(err: Console, model: str, embedder: str, steps: int | None) -> in
     num_steps = steps if steps is not None else spec.default_num_steps
     why = spec.num_steps.check(num_steps)
     if why is not None:
-        err.print(f"[bold red]error:[/] --steps {why} for model {escape(model)}")
+        err.print(f"[bold red]error:[/] --num-steps {why} for model {escape(model)}")
         raise typer.Exit(code=2)
     return num_steps
 

@@ -47,10 +47,14 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from workers.cli_options import aliased, split_list
+
 if TYPE_CHECKING:
     from workers.bench.cachedit import CacheDiTSettings
     from workers.bench.suite import BenchConfig
 
+DEFAULT_STEPS = "4,50"
+_LIST_HELP = "Repeatable, or comma-separated."
 # --quick: 2 prompts × 1 seed, 2 steps, 2 calibration prompts, probe α 1 and 2, 2 prompts on the contact sheet
 QUICK_PROMPTS, QUICK_STEPS, QUICK_CALIBRATION_PROMPTS, QUICK_ALPHAS, QUICK_SHEET_PROMPTS = 2, "2", 2, "1,2", 2
 QUICK_NEGATIVE_PROMPTS, QUICK_MIN_ROW_PAIRS = 8, 1
@@ -86,7 +90,7 @@ def resolve_guidance(explicit: float | None) -> tuple[float, str]:
     from producer.catalog import CATALOG
 
     if explicit is not None:
-        return explicit, "--guidance"
+        return explicit, "--guidance-scale"
     return CATALOG["toy"].default_guidance_scale, "toy catalog default"
 
 
@@ -109,7 +113,8 @@ def _command(ctx: typer.Context) -> str:
             elif secondary:
                 parts.append(secondary[0])
             continue
-        parts += [opts[0], str(value)]
+        for item in value if isinstance(value, list) else [value]:
+            parts += [opts[0], str(item)]
     return shlex.join(parts)
 
 
@@ -124,24 +129,32 @@ def bench_quality(
     ),
     prompts: int = typer.Option(64, min=1, help="Evaluation prompts (held-out templates)."),
     seeds: int = typer.Option(1, min=1, help="Noise seeds per prompt."),
-    steps: str = typer.Option("4,50", help="Comma-separated step counts (regimes)."),
-    rows: str = typer.Option(
-        "no-reuse,chorus,tgaa,cachedit,chorus-cachedit,sheet",
-        help="Which rows: no-reuse, chorus, tgaa, cachedit, chorus-cachedit, sheet ('' for none, e.g. calibration only).",
+    num_steps: list[str] | None = typer.Option(
+        None, "--num-steps", help=f"Step counts (regimes) [default: {DEFAULT_STEPS}]. " + _LIST_HELP
     ),
-    classes: str = typer.Option(
-        "same-prompt,one-attribute,two-attributes,paraphrase,reworded-one-attribute",
-        help="Donor pair classes.",
+    steps: list[str] | None = typer.Option(None, "--steps", hidden=True),
+    rows: list[str] = typer.Option(
+        ["no-reuse", "chorus", "tgaa", "cachedit", "chorus-cachedit", "sheet"],
+        help="Which rows: no-reuse, chorus, tgaa, cachedit, chorus-cachedit, sheet ('' for none, e.g. calibration "
+        "only). " + _LIST_HELP,
     ),
-    guidance: float | None = typer.Option(
-        None, help="Guidance scale (default: the toy catalog's, what served requests get)."
+    classes: list[str] = typer.Option(
+        ["same-prompt", "one-attribute", "two-attributes", "paraphrase", "reworded-one-attribute"],
+        help="Donor pair classes. " + _LIST_HELP,
     ),
-    ablation_alphas: str = typer.Option(
-        "1,2,4", help="TGAA α values of the fixed probe plan (k1=N/4, k2=N/2)."
+    guidance_scale: float | None = typer.Option(
+        None,
+        "--guidance-scale",
+        help="Guidance scale (default: the toy catalog's, what served requests get).",
     ),
-    cachedit_thresholds: str = typer.Option(
-        "0.08,0.16,0.5",
-        help="DBCache residual-diff thresholds, one cache-dit row each; the first is combined with Chorus.",
+    guidance: float | None = typer.Option(None, "--guidance", hidden=True),
+    ablation_alphas: list[str] = typer.Option(
+        ["1", "2", "4"], help="TGAA α values of the fixed probe plan (k1=N/4, k2=N/2). " + _LIST_HELP
+    ),
+    cachedit_thresholds: list[str] = typer.Option(
+        ["0.08", "0.16", "0.5"],
+        help="DBCache residual-diff thresholds, one cache-dit row each; the first is combined with Chorus. "
+        + _LIST_HELP,
     ),
     cachedit_fn: int = typer.Option(1, min=1, help="DBCache Fn_compute_blocks."),
     cachedit_bn: int = typer.Option(0, min=0, help="DBCache Bn_compute_blocks."),
@@ -153,10 +166,14 @@ def bench_quality(
         help="Calibration table the chorus rows plan with (default: the packaged chorus_sched/calibration.json).",
     ),
     calibrate: bool = typer.Option(
-        False, "--calibrate", help="First sweep the plans and write the planner's table."
+        False,
+        "--calibrate",
+        help="First sweep the plans and derive the planner's table (used by this run's rows).",
     ),
     calibration_out: Path | None = typer.Option(
-        None, help="Where --calibrate writes the table (default: the packaged chorus_sched/calibration.json)."
+        None,
+        help="Where --calibrate writes the table (default: not written; the report holds it). To replace the "
+        "packaged table, name it: chorus_sched/calibration.json.",
     ),
     calibration_prompts: int = typer.Option(
         64, min=1, help="Calibration-set prompts (apart from the evaluation set)."
@@ -176,18 +193,32 @@ def bench_quality(
     ),
     out_dir: Path = typer.Option(Path("out/bench-quality"), help="Where contact sheets are written."),
     sheet_prompts: int = typer.Option(4, min=0, help="Prompts on each contact sheet."),
-    judge: str = typer.Option(
-        "color,shape,direction,background",
+    judge: list[str] = typer.Option(
+        ["color", "shape", "direction", "background"],
         help="Attributes that must all be right for a clip to count as correct ('all' in the report, the "
-        "calibration's acceptance). Narrow it only for a model that has not learned the others.",
+        "calibration's acceptance). Narrow it only for a model that has not learned the others. "
+        + _LIST_HELP,
     ),
     threads: int = typer.Option(1, min=1, help="torch CPU threads."),
     quick: bool = typer.Option(False, "--quick", help="Tiny smoke setting (2 prompts, 2 steps) for tests."),
 ) -> None:
     """Attribute accuracy with and without Chorus reuse (TGAA ablation) and cache-dit; optionally calibrate."""
     # Every option by name: at this point the function's locals are exactly its parameters.
-    args = QualityArgs(**{name: value for name, value in locals().items() if name != "ctx"})
+    args = QualityArgs(**_as_given(**{name: value for name, value in locals().items() if name != "ctx"}))
     _run(args.with_quick() if args.quick else args, _command(ctx))
+
+
+def _as_given(**options: Any) -> dict[str, Any]:
+    """The options as ``QualityArgs`` takes them: older names folded into the current ones, list options
+    (repeated or comma-separated) joined with commas."""
+    num_steps, steps = options.pop("num_steps"), options.pop("steps")
+    guidance_scale, guidance = options.pop("guidance_scale"), options.pop("guidance")
+    step_values = aliased(num_steps, steps, "--num-steps", "--steps")
+    options["steps"] = ",".join(split_list(step_values)) if step_values is not None else DEFAULT_STEPS
+    options["guidance"] = aliased(guidance_scale, guidance, "--guidance-scale", "--guidance")
+    for name in ("rows", "classes", "ablation_alphas", "cachedit_thresholds", "judge"):
+        options[name] = ",".join(split_list(options[name]))
+    return options
 
 
 @dataclass(frozen=True)
@@ -277,7 +308,7 @@ def _parse(args: QualityArgs) -> _Parsed:
     from workers.toy.model import WEIGHTS_DIR, WEIGHTS_FILE
     from workers.toy.world import ATTRIBUTE_NAMES
 
-    step_list = _ints(args.steps, "--steps")
+    step_list = _ints(args.steps, "--num-steps")
     row_list = _names(args.rows, suite.ROW_KINDS, "--rows")
     class_list = _names(args.classes, PAIR_CLASSES, "--classes")
     judged = _names(args.judge, ATTRIBUTE_NAMES, "--judge")
@@ -293,7 +324,7 @@ def _parse(args: QualityArgs) -> _Parsed:
     for n in step_list:
         why = CATALOG["toy"].num_steps.check(n)
         if why is not None:
-            raise typer.BadParameter(f"--steps {n}: {why}")
+            raise typer.BadParameter(f"--num-steps {n}: {why}")
     cache_settings = tuple(
         CacheDiTSettings(
             fn_compute_blocks=args.cachedit_fn,
@@ -346,7 +377,6 @@ def _settings_report(args: QualityArgs, parsed: _Parsed) -> dict[str, Any]:
 
 
 def _bench_config(args: QualityArgs, parsed: _Parsed, command: str) -> BenchConfig:
-    from chorus_sched.planner import default_calibration_path
     from workers.bench import suite
     from workers.engine.registry import load_bundle
     from workers.toy.model import WEIGHTS_FILE, sha256_file
@@ -371,7 +401,7 @@ def _bench_config(args: QualityArgs, parsed: _Parsed, command: str) -> BenchConf
         cachedit=parsed.cachedit,
         calibration_path=args.calibration,
         calibrate=args.calibrate,
-        calibration_out=args.calibration_out or default_calibration_path(),
+        calibration_out=args.calibration_out,
         calibration_prompts=args.calibration_prompts,
         calibration_seeds=args.calibration_seeds,
         negative_prompts=args.negative_prompts,

@@ -256,16 +256,28 @@ def run(config: BenchConfig, progress: Progress) -> dict[str, Any]:
     try:
         if config.calibrate:
             out_path = config.calibration_out
-            assert out_path is not None
             table, cal_report = suite.calibrate(ignorable)
-            write_calibration(table, out_path)
-            cal_report["written_to"] = str(out_path)
             report["calibration"] = cal_report
-            table_path = out_path
-            table = load_calibration(out_path)
-            progress.log(f"calibration table written to {out_path}")
+            if out_path is not None:
+                write_calibration(table, out_path)
+                cal_report["written_to"] = str(out_path)
+                table_path = out_path
+                table = load_calibration(out_path)
+                progress.log(f"calibration table written to {out_path}")
+            else:  # written only where --calibration-out says: never over the packaged table by default
+                cal_report["written_to"] = None
+                cal_report["table"] = table.model_dump(mode="json", exclude_none=True)
+                progress.log(
+                    "calibration table not written (--calibration-out writes it); the report holds it"
+                )
+        if table_path:
+            used = str(table_path)
+        elif config.calibrate:
+            used = "this run's calibration (not written; see calibration.table)"
+        else:
+            used = "packaged chorus_sched/calibration.json"
         report["calibration_table"] = {
-            "path": str(table_path) if table_path else "packaged chorus_sched/calibration.json",
+            "path": used,
             "provisional": table.provisional,
             "source": table.source,
         }

@@ -307,3 +307,67 @@ def test_the_local_stack_serves_metrics_on_loopback(tmp_path: Path) -> None:
         s3_secret_key="b",
     )
     assert env["CHORUS_METRICS_BIND_ADDRESS"] == "127.0.0.1"
+
+
+# --- the command line's shape -------------------------------------------------------------------------------------
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"chorus {version('chorus')}"
+
+
+def test_the_model_choices_are_the_catalog() -> None:
+    from producer.catalog import CATALOG, ModelName
+
+    assert sorted(m.value for m in ModelName) == sorted(CATALOG)
+
+
+@pytest.mark.parametrize(
+    ("command", "shown", "hidden"),
+    [
+        (
+            ["generate"],
+            [
+                "--num-steps",
+                "--num-frames",
+                "--guidance-scale",
+                "toy|tiny-random-wan|wan2.1-t2v-1.3b",
+                "mp4|gif",
+            ],
+            ["--steps", "--frames", "--guidance "],
+        ),
+        (["demo"], ["--num-steps", "minilm|hashing", "toy|tiny-random-wan|wan2.1-t2v-1.3b"], ["--steps"]),
+        (["produce"], ["--num-steps", "--num-frames", "--guidance-scale", "--env-file"], []),
+        (["worker"], ["prefork|solo|threads", "toy|tiny-random-wan|wan2.1-t2v-1.3b"], []),
+        (["bench", "engine"], ["--num-steps", "--no-fail", "--configs"], ["--steps"]),
+        (["bench", "quality"], ["--num-steps", "--guidance-scale", "Repeatable"], ["--steps", "--guidance "]),
+    ],
+)
+def test_every_command_spells_fields_alike_and_lists_its_choices(
+    command: list[str], shown: list[str], hidden: list[str]
+) -> None:
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    for name in shown:
+        assert name in text, name
+    for name in hidden:
+        assert name not in text, name
+
+
+@pytest.mark.parametrize("flag", ["--num-steps", "--steps"])
+def test_the_older_option_names_still_work(flag: str) -> None:
+    # 1000 steps is more than tiny-random-wan takes: the demo refuses before starting anything, naming the option.
+    result = CliRunner().invoke(app, ["demo", "--model", "tiny-random-wan", flag, "1000"])
+    assert result.exit_code == 2, result.output
+    assert "--num-steps" in result.output
+
+
+def test_an_option_under_both_its_names_is_refused() -> None:
+    result = CliRunner().invoke(app, ["generate", "--prompt", "x", "--num-steps", "4", "--steps", "4"])
+    assert result.exit_code == 2
+    assert "give --num-steps once" in result.output

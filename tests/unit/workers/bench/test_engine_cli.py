@@ -13,7 +13,8 @@ runner = CliRunner()
 
 def test_bench_engine_json_tiny():
     r = runner.invoke(
-        app, ["bench", "engine", "--json", "--configs", "tiny", "--steps", "3", "--repeats", "1"]
+        app,
+        ["bench", "engine", "--json", "--configs", "tiny", "--num-steps", "3", "--repeats", "1", "--no-fail"],
     )
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
