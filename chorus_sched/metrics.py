@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES: Final = (Role.LEADER, Role.FOLLOWER, Role.SOLO)
-REJECT_REASONS: Final = ("invalid_request", "scheduling_failed")
+REJECT_REASONS: Final = ("invalid_request", "unreadable", "no_worker", "scheduling_failed")
 RETRY_CAUSES: Final = ("backing_service", "error", "busy")
 LOOKUP_OUTCOMES: Final = ("hit", "miss", "incompatible", "cross_tenant_blocked")
 SCHEDULER_PHASES: Final = ("embed", "search", "dispatch")
@@ -90,6 +90,13 @@ class SchedulerMetrics:
     """The scheduler's metrics, registered on ``registry`` (the process-wide default for the service)."""
 
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+        self._intake(registry)
+        self._reuse(registry)
+        self._cache_and_queues(registry)
+        self._initialise_labels()
+
+    def _intake(self, registry: CollectorRegistry | None) -> None:
+        """Requests in: received, accepted, rejected, dead-lettered, duplicates, retries, lost orders."""
         self.requests_received = Counter(
             "chorus_requests_received",
             "Messages read from the requests topic (a message read again after a retry counts again).",
@@ -133,15 +140,26 @@ class SchedulerMetrics:
             registry=registry,
         )
         zero_series(self.redispatched, outcome=("sent_again", "failed"))
-        self.index_unavailable = Counter(
-            "chorus_index_unavailable",
-            "Requests scheduled without reuse (full compute) because the donor index could not be used.",
-            registry=registry,
-        )
         self.retries = Counter(
             "chorus_scheduler_retries",
             "Messages left to be handled again on a later poll, by cause.",
             ["cause"],
+            registry=registry,
+        )
+        self.phase_seconds = Histogram(
+            "chorus_scheduler_phase_duration_seconds",
+            "Scheduler latency per phase: embed (one poll's prompts), search (index search and planning for "
+            "one request), dispatch (sending one work order to the broker).",
+            ["phase"],
+            buckets=PHASE_BUCKETS_S,
+            registry=registry,
+        )
+
+    def _reuse(self, registry: CollectorRegistry | None) -> None:
+        """Reuse: exact hits, index outages, donor lookups and similarity, hits and steps saved, results."""
+        self.index_unavailable = Counter(
+            "chorus_index_unavailable",
+            "Requests scheduled without reuse (full compute) because the donor index could not be used.",
             registry=registry,
         )
         self.donor_lookups = Counter(
@@ -160,14 +178,6 @@ class SchedulerMetrics:
             buckets=SIMILARITY_BUCKETS,
             registry=registry,
         )
-        self.phase_seconds = Histogram(
-            "chorus_scheduler_phase_duration_seconds",
-            "Scheduler latency per phase: embed (one poll's prompts), search (index search and planning for "
-            "one request), dispatch (sending one work order to the broker).",
-            ["phase"],
-            buckets=PHASE_BUCKETS_S,
-            registry=registry,
-        )
         self.results = Counter(
             "chorus_scheduler_results",
             "Results read for requests this deployment dispatched, by status.",
@@ -176,7 +186,7 @@ class SchedulerMetrics:
         )
         self.donor_hits = Counter(
             "chorus_donor_hits",
-            "Results that reused their donor (no fallback), counted once per request.",
+            "Results that saved compute with their donor (fewer token-steps than in full), once per request.",
             registry=registry,
         )
         self.steps_saved = Counter(
@@ -190,6 +200,9 @@ class SchedulerMetrics:
             "Finished requests indexed as donors.",
             registry=registry,
         )
+
+    def _cache_and_queues(self, registry: CollectorRegistry | None) -> None:
+        """The donor cache, evictions, consumer lag and Celery queue lengths."""
         self.cache_bytes = Gauge(
             "chorus_cache_size_bytes",
             "Bytes of all finished donor trajectories in the index.",
@@ -229,7 +242,6 @@ class SchedulerMetrics:
             ["queue"],
             registry=registry,
         )
-        self._initialise_labels()
 
     def _initialise_labels(self) -> None:
         zero_series(self.requests_accepted, role=ROLES)
