@@ -99,10 +99,17 @@ FRACTION_BUCKETS: Final = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.
 
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+        self._results(registry)
+        self._compute(registry)
+        self._pool(registry)
+        self._initialise_labels()
+
+    def _results(self, registry: CollectorRegistry | None) -> None:
+        """What was published, and how long it took: results, failures, phases, stages, end to end."""
         self.requests = Counter(
             "chorus_worker_requests",
-            "Results published, by model, group role, status and reuse (donor: the planned donor was used, "
-            "fallback: planned but not used, none: no donor planned).",
+            "Results published, by model, group role, status and reuse (donor: a hit, it computed fewer "
+            "token-steps than in full; fallback: a donor was planned but nothing was saved; none: no donor).",
             ["model", "role", "status", "reuse"],
             registry=registry,
         )
@@ -135,6 +142,9 @@ class WorkerMetrics:
             buckets=REQUEST_BUCKETS_S,
             registry=registry,
         )
+
+    def _compute(self, registry: CollectorRegistry | None) -> None:
+        """What was computed: steps requested and computed, token-steps, fallbacks, follower waits."""
         self.steps_requested = Counter(
             "chorus_worker_steps_requested",
             "Denoising steps requested by finished requests.",
@@ -172,6 +182,9 @@ class WorkerMetrics:
             buckets=PHASE_BUCKETS_S,
             registry=registry,
         )
+
+    def _pool(self, registry: CollectorRegistry | None) -> None:
+        """The process pool: model loads, loaded models, slots, evictions, publish errors."""
         self.model_load_seconds = Histogram(
             "chorus_worker_model_load_duration_seconds",
             "Time to load a model into a worker process (once per process and model).",
@@ -208,7 +221,6 @@ class WorkerMetrics:
             "Results the results topic did not take (the order is retried).",
             registry=registry,
         )
-        self._initialise_labels()
 
     def _initialise_labels(self) -> None:
         models = [*sorted(CATALOG), UNKNOWN_MODEL]
