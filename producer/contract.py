@@ -335,6 +335,15 @@ class GenerationResult(_Wire):
         description="False when the video started from a donor made with another seed (Stage 1): it is a sample "
         "for the prompt, but not the one the requested seed alone would give",
     )
+    prompt_tokens_used: int | None = Field(
+        default=None,
+        ge=0,
+        description="prompt tokens the model's text encoder used (None: not reported)",
+    )
+    prompt_truncated: bool = Field(
+        default=False,
+        description="True when the prompt was longer than the model's text token budget and its end was cut",
+    )
 
     @property
     def saved_compute(self) -> bool:

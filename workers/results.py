@@ -97,6 +97,8 @@ def done_result(
     worker: str | None,
     donor_gone: bool = False,
     donor_seed: int | None = None,
+    prompt_tokens_used: int | None = None,
+    prompt_truncated: bool = False,
 ) -> GenerationResult:
     request = order.request
     reuse = _reuse_kind(order, steps_computed, tokens_computed_fraction)
@@ -118,6 +120,8 @@ def done_result(
         worker=worker,
         reuse=reuse,
         seed_honoured=reuse is not ReuseKind.STAGE1 or donor_seed == request.seed,
+        prompt_tokens_used=prompt_tokens_used,
+        prompt_truncated=prompt_truncated,
     )
 
 

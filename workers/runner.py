@@ -288,6 +288,8 @@ class Runner:
             timings=clock.timings(queue_s),
             worker=worker,
             donor_seed=meta.seed if source is not None and (meta := source.loaded_metadata) else None,
+            prompt_tokens_used=output.prompt_tokens_used,
+            prompt_truncated=output.prompt_truncated,
         )
         log.info(
             "order done",

@@ -25,13 +25,24 @@ class TextEncoding:
 
     ``embeddings`` is ``(1, L, text_dim)`` exactly as passed to the transformer as ``encoder_hidden_states``;
     ``token_ids`` and ``tokens`` have one entry per position (padding included) so the engine can tell which
-    prompt tokens differ between two requests; ``valid`` marks real (non-padding) positions.
+    prompt tokens differ between two requests; ``valid`` marks real (non-padding) positions. ``prompt_tokens`` is
+    how many tokens the whole prompt has (None: not counted), more than ``used_tokens`` when the text encoder's
+    budget cut it.
     """
 
     embeddings: torch.Tensor
     token_ids: list[int]
     tokens: list[str]
     valid: list[bool]
+    prompt_tokens: int | None = None
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(self.valid)
+
+    @property
+    def truncated(self) -> bool:
+        return self.prompt_tokens is not None and self.prompt_tokens > self.used_tokens
 
 
 @dataclass

@@ -140,6 +140,17 @@ class Engine:
         """The prompt's encoding, and the text the transformer sees (CFG: the negative prompt as a second row)."""
         b = self.bundle
         cond = b.encode_prompt(request.prompt)
+        if cond.truncated:
+            # What diffusers pipelines warn too: the video follows only the start of this prompt.
+            log.warning(
+                "prompt truncated to the text encoder's budget",
+                extra={
+                    "request_id": request.request_id,
+                    "model": request.model,
+                    "prompt_tokens": cond.prompt_tokens,
+                    "tokens_used": cond.used_tokens,
+                },
+            )
         embeds = [cond.embeddings]
         if request.guidance_scale > 1.0:
             embeds.append(b.encode_prompt(request.negative_prompt or "").embeddings)
@@ -254,6 +265,8 @@ class Engine:
             fps=b.fps,
             fallback_cause=fallback.cause if fallback else None,
             donor_gone=fallback.donor_gone if fallback else False,
+            prompt_tokens_used=run.cond.used_tokens if run.cond.prompt_tokens is not None else None,
+            prompt_truncated=run.cond.truncated,
         )
         log.info(
             "request denoised",

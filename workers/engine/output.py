@@ -47,6 +47,9 @@ class GenerationOutput:
     fps: int = 8
     fallback_cause: FallbackCause | None = None  # what kind of fallback ``fallback`` is
     donor_gone: bool = False  # the donor proved unusable for good: it should not be offered again
+    # The prompt's tokens the text encoder kept, and whether its budget cut the prompt (None: not counted).
+    prompt_tokens_used: int | None = None
+    prompt_truncated: bool = False
 
     @property
     def denoise_seconds(self) -> float:
@@ -64,4 +67,6 @@ class GenerationOutput:
             "decode_seconds": round(self.decode_seconds, 4),
             "fallback": self.fallback,
             "donor": self.donor_request_id,
+            "prompt_tokens_used": self.prompt_tokens_used,
+            "prompt_truncated": self.prompt_truncated,
         }

@@ -149,7 +149,8 @@ def build_random_wan_bundle(
     proj = torch.randn(3 * sf * sf, config.latent_channels, generator=cpu_rng) / config.latent_channels**0.5
 
     def encode_prompt(prompt: str) -> TextEncoding:
-        words = _WORD.findall(prompt.lower())[: config.text_len - 1]
+        all_words = _WORD.findall(prompt.lower())
+        words = all_words[: config.text_len - 1]
         ids = [3 + zlib.crc32(w.encode()) % (config.vocab - 3) for w in words] + [1]
         tokens = [*words, "</s>"]
         n = len(ids)
@@ -161,6 +162,7 @@ def build_random_wan_bundle(
             token_ids=ids + [0] * pad,
             tokens=tokens + ["<pad>"] * pad,
             valid=[True] * n + [False] * pad,
+            prompt_tokens=len(all_words) + 1,
         )
 
     def latent_shape(num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
@@ -301,6 +303,11 @@ def load_wan21_dir(
         )
         ids, mask = inputs.input_ids, inputs.attention_mask
         n = int(mask.gt(0).sum())
+        whole = (
+            len(tokenizer(_prompt_clean(prompt), add_special_tokens=True).input_ids)
+            if n == ids.shape[1]
+            else n
+        )
         hidden = text_encoder(ids.to(dev), mask.to(dev)).last_hidden_state.to(dt)
         emb = torch.zeros_like(hidden)
         emb[:, :n] = hidden[:, :n]
@@ -310,6 +317,7 @@ def load_wan21_dir(
             token_ids=id_list,
             tokens=[str(t) for t in tokenizer.convert_ids_to_tokens(id_list)],
             valid=[bool(m) for m in mask[0].gt(0)],
+            prompt_tokens=whole,
         )
 
     tf = int(vae.config.scale_factor_temporal or 4)

@@ -149,6 +149,7 @@ def encode_prompts(prompts: list[str]) -> list[TextEncoding]:
     encodings: list[TextEncoding] = []
     for prompt, out in zip(prompts, outputs, strict=True):
         ids = tokenizer(prompt, truncation=True, max_length=TEXT_LEN)["input_ids"]
+        whole = len(tokenizer(prompt)["input_ids"]) if len(ids) == TEXT_LEN else len(ids)
         n = len(ids)
         if out.shape[0] != n:
             raise RuntimeError(
@@ -164,6 +165,7 @@ def encode_prompts(prompts: list[str]) -> list[TextEncoding]:
                 token_ids=list(ids) + [int(tokenizer.pad_token_id)] * pad,
                 tokens=tokens + [PAD_TOKEN] * pad,
                 valid=[True] * n + [False] * pad,
+                prompt_tokens=whole,
             )
         )
     return encodings
