@@ -11,6 +11,8 @@
             print(result.status, result.video_uri)
 
 Requests are keyed by ``request_id`` (so a request and its result land in the same partition of their topics).
+A request's ``submitted_at`` is stamped when it is sent (unless its builder set one), so the end-to-end latency
+the workers measure starts at publication, not at whenever the request object was built.
 Everything is validated against the contract before it is sent; ``parse_jsonl`` reports every bad line with its
 number, the field and the rule, and ``ChorusClient.submit_many`` sends a batch only once it has no bad line.
 All Kafka access goes through ``producer.bus``.
@@ -23,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
@@ -129,6 +132,13 @@ def _parse_line(line: str, defaults: dict[str, Any] | None) -> GenerationRequest
     return parse_request(json.dumps({**defaults, **data}))
 
 
+def stamped(request: GenerationRequest) -> GenerationRequest:
+    """``request`` with ``submitted_at`` now, unless whoever built it set one (a replay keeps its time)."""
+    if "submitted_at" in request.model_fields_set:
+        return request
+    return request.model_copy(update={"submitted_at": datetime.now(UTC)})
+
+
 def request_from_options(**fields: Any) -> GenerationRequest:
     """A request from keyword options; ``None`` means "not given" (the contract's default applies)."""
     return build_request(**{k: v for k, v in fields.items() if v is not None})
@@ -160,13 +170,14 @@ class ChorusClient:
         return self._producer
 
     def submit(self, request: GenerationRequest) -> str:
-        """Publish one (already validated) request; returns its id once the broker has it."""
+        """Publish one (already validated) request, stamped now (``stamped``); returns its id once the broker has
+        it."""
         try:
             bus.publish(
                 self.producer,
                 self.settings.kafka_requests_topic,
                 request.request_id,
-                request.to_bytes(),
+                stamped(request).to_bytes(),
                 timeout_s=self.send_timeout_s,
             )
         except KafkaError as exc:
@@ -180,7 +191,8 @@ class ChorusClient:
     def submit_many(
         self, requests: Iterable[GenerationRequest], *, on_sent: Callable[[str], None] | None = None
     ) -> list[str]:
-        """Publish validated requests (ids must be unique); returns their ids once the broker has all of them."""
+        """Publish validated requests (ids must be unique), each stamped as it is sent (``stamped``); returns their
+        ids once the broker has all of them."""
         items = list(requests)
         ids = [r.request_id for r in items]
         if len(set(ids)) != len(ids):
@@ -189,7 +201,7 @@ class ChorusClient:
             bus.publish_many(
                 self.producer,
                 self.settings.kafka_requests_topic,
-                ((r.request_id, r.to_bytes()) for r in items),
+                ((r.request_id, stamped(r).to_bytes()) for r in items),
                 timeout_s=self.send_timeout_s,
                 on_sent=on_sent,
             )

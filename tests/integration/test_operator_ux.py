@@ -68,3 +68,48 @@ def test_a_url_s3_endpoint_serves_the_store_and_boto3_alike(s3_server: EmbeddedS
         region_name="us-east-1",
     )
     assert s3.get_object(Bucket="url-endpoint", Key="greeting")["Body"].read() == b"hello"
+
+
+def _histogram(url: str, name: str, status: str) -> tuple[float, float]:
+    """(sum, count) of one status' series of a histogram on a /metrics page."""
+    import urllib.request
+
+    values: dict[str, float] = {}
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            for part in ("sum", "count"):
+                prefix = f'{name}_{part}{{status="{status}"}} '
+                if line.startswith(prefix):
+                    values[part] = float(line[len(prefix) :])
+    return values["sum"], values["count"]
+
+
+@pytest.mark.slow
+def test_latency_counts_from_publication_as_the_client_sees_it_and_long_prompts_say_so(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    from producer.contract import ResultStatus, build_request
+    from producer.local.config import StackOptions
+    from producer.local.stack import EmbeddedStack
+    from producer.sdk import ChorusClient
+
+    # Built before the stack starts, as the demo builds its stream: the ~20 s start must not count as latency.
+    long_prompt = " ".join(f"word{i}" for i in range(40))  # tiny-random-wan reads 16 tokens
+    request = build_request(request_id="latency-1", prompt=long_prompt, model="tiny-random-wan", num_steps=4)
+    options = StackOptions(state_dir=tmp_path / "state", models=["tiny-random-wan"], embedder="hashing")
+    with EmbeddedStack(options) as stack:
+        assert stack.env["CHORUS_S3_ENDPOINT"].startswith("http://")
+        assert stack.env["CHORUS_METRICS_BIND_ADDRESS"] == "127.0.0.1"
+        with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
+            published = time.monotonic()
+            client.submit(request)
+            [result] = list(watcher.wait([request], timeout_s=180))
+            seen_s = time.monotonic() - published
+        assert result.status is ResultStatus.DONE, result.error
+        assert result.prompt_truncated and result.prompt_tokens_used == 16
+        total, count = _histogram(stack.metrics_urls["worker-0"], "chorus_request_duration_seconds", "done")
+        assert count == 1
+        # The worker's end-to-end time is the client's, less the result's trip back (well under a second here).
+        assert total <= seen_s + 0.5 and seen_s - total < 3.0, (total, seen_s)

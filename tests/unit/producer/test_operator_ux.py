@@ -371,3 +371,38 @@ def test_an_option_under_both_its_names_is_refused() -> None:
     result = CliRunner().invoke(app, ["generate", "--prompt", "x", "--num-steps", "4", "--steps", "4"])
     assert result.exit_code == 2
     assert "give --num-steps once" in result.output
+
+
+# --- latency from publication ------------------------------------------------------------------------------------
+
+
+class _Sent:
+    def __init__(self) -> None:
+        self.values: list[bytes] = []
+
+    def send(self, topic: str, *, key: bytes, value: bytes) -> Any:
+        self.values.append(value)
+        return SimpleNamespace(get=lambda timeout: SimpleNamespace(partition=0, offset=len(self.values)))
+
+
+def test_the_sdk_stamps_submitted_at_when_it_sends_unless_it_was_set() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from producer.contract import GenerationRequest, build_request
+    from producer.sdk import ChorusClient
+
+    built = build_request(prompt="a red circle", request_id="built-early")
+    replayed = build_request(
+        prompt="a red circle", request_id="replay", submitted_at=datetime(2026, 1, 1, tzinfo=UTC)
+    )
+    time.sleep(0.2)  # as the demo built its stream, then started the stack
+    client = ChorusClient(ProducerSettings())
+    sent = _Sent()
+    client._producer = sent
+    before = datetime.now(UTC)
+    client.submit(built)
+    client.submit_many([build_request(prompt="a blue circle", request_id="batch"), replayed])
+    stamps = {r.request_id: r.submitted_at for r in map(GenerationRequest.model_validate_json, sent.values)}
+    assert stamps["built-early"] >= before and built.submitted_at < before - timedelta(seconds=0.15)
+    assert stamps["batch"] >= before
+    assert stamps["replay"] == datetime(2026, 1, 1, tzinfo=UTC)
