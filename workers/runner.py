@@ -195,90 +195,34 @@ class Runner:
         queue_s: float,
         progress: Progress | None,
     ) -> GenerationResult:
-        request, plan = order.request, order.plan
-        request_id = request.request_id
+        """Resolve the donor, denoise, store the video and the trajectory, and assemble the result."""
+        request = order.request
         job = request.job_id  # object keys are per tenant: two tenants may use the same request id
-        loaded = engine_for(request.model, self.settings)
-        source: S3DonorSource | None = None  # what the engine reads the donor from
-        given: S3DonorSource | PrefetchedDonor | None = None  # what it is handed
-        donor = order.donor
-
-        if plan.reuses and donor is not None:
-            if order.role is Role.FOLLOWER:
-                # The leader is still running: wait for each of its steps, up to wait_s.
-                source = given = S3DonorSource(
-                    self.store,
-                    donor.trajectory_prefix,
-                    wait_s=donor.wait_s,
-                    poll_s=self.settings.follower_poll_s,
-                )
-            else:
-                # A finished donor: read what the plan takes of it now, before the model is ours.
-                source = S3DonorSource(self.store, donor.trajectory_prefix)
-                with clock.phase("fetch"):
-                    given = prefetch_donor(source, plan, request.num_steps, name=donor.request_id)
-                if given.source is not None:
-                    log.info(
-                        "donor fetched",
-                        extra={
-                            "request_id": request_id,
-                            "donor": donor.request_id,
-                            "steps": len(donor_steps(plan, request.num_steps)),
-                            "bytes": source.bytes_read,
-                        },
-                    )
-                else:
-                    source = None
+        loaded = engine_for(
+            request.model, self.settings
+        )  # first: a model that cannot load fails before any read
+        source, given = self._donor_sources(order, clock)
+        plan = order.plan
         log.info(
             "order started",
             extra={
-                "request_id": request_id,
+                "request_id": request.request_id,
                 "model": request.model,
                 "role": str(order.role),
-                "donor": donor.request_id if donor else None,
-                "similarity": donor.similarity if donor else None,
+                "donor": order.donor.request_id if order.donor else None,
+                "similarity": order.donor.similarity if order.donor else None,
                 "plan": f"{plan.stage1_steps}/{plan.stage2_steps}/{plan.stage3_steps}",
                 "queue_s": round(queue_s, 3),
             },
         )
-
         uploader = TrajectoryUploader(
             self.store, trajectory_prefix(job), storage_dtype=self.settings.trajectory_dtype
         )
-        if order.role is Role.LEADER:
-            uploader.start()
-        try:
-            with loaded.lock:
-                output = self._generate(loaded.engine, order, given, source, uploader, clock, progress)
-        except BaseException:
-            uploader.stop()
-            # A leader that failed may have streamed part of its trajectory: nobody must take it for a donor.
-            self._discard_trajectory(job, uploader)
-            raise
-        uploader.stop()
-        if output.fallback_cause is not None:
-            worker_metrics.count_fallback(output.fallback_cause)
-            if output.fallback_cause is FallbackCause.DONOR_INCOMPATIBLE:
-                log.warning("incompatible donor", extra={"request_id": request_id, "error": output.fallback})
-
-        fmt = self.settings.video_format
-        with clock.phase("decode"):
-            video_bytes = encode_video(output, fmt)
-        with clock.phase("upload"):
-            stored_video = self.store.put(video_key(job, fmt), video_bytes, video.CONTENT_TYPES[fmt])
-            trajectory_uri: str | None = None
-            trajectory_bytes = 0
-            try:
-                report = uploader.finish(output.trajectory)
-                trajectory_uri = self.store.uri(report.prefix)
-                trajectory_bytes = report.bytes
-            except StoreError as exc:
-                # The request is still served; it just cannot become a donor.
-                log.warning("trajectory not stored", extra={"request_id": request_id, "error": str(exc)})
-                self._discard_trajectory(job, uploader)
+        output = self._denoise(loaded, order, given, source, uploader, clock, progress)
+        video_uri, trajectory_uri, trajectory_bytes = self._store_outputs(order, output, uploader, clock)
         result = done_result(
             order,
-            video_uri=stored_video.uri,
+            video_uri=video_uri,
             trajectory_uri=trajectory_uri,
             trajectory_bytes=trajectory_bytes,
             steps_computed=output.steps_computed,
@@ -291,22 +235,89 @@ class Runner:
             prompt_tokens_used=output.prompt_tokens_used,
             prompt_truncated=output.prompt_truncated,
         )
+        _log_done(result)
+        return result
+
+    def _donor_sources(
+        self, order: WorkOrder, clock: PhaseClock
+    ) -> tuple[S3DonorSource | None, S3DonorSource | PrefetchedDonor | None]:
+        """(what the engine reads the donor from, what it is handed): a follower's waiting source, a finished
+        donor prefetched now (before the model is ours), or nothing."""
+        plan, donor, request = order.plan, order.donor, order.request
+        if not plan.reuses or donor is None:
+            return None, None
+        if order.role is Role.FOLLOWER:
+            # The leader is still running: wait for each of its steps, up to wait_s.
+            follower = S3DonorSource(
+                self.store, donor.trajectory_prefix, wait_s=donor.wait_s, poll_s=self.settings.follower_poll_s
+            )
+            return follower, follower
+        source = S3DonorSource(self.store, donor.trajectory_prefix)
+        with clock.phase("fetch"):
+            given = prefetch_donor(source, plan, request.num_steps, name=donor.request_id)
+        if given.source is None:
+            return None, given
         log.info(
-            "order done",
+            "donor fetched",
             extra={
-                "request_id": request_id,
-                "steps_computed": result.steps_computed,
-                "steps_requested": result.steps_requested,
-                "tokens_computed_fraction": round(result.tokens_computed_fraction, 4),
-                "fallback": result.fallback,
-                "reuse": str(result.reuse),
-                "seed_honoured": result.seed_honoured,
-                "video_uri": result.video_uri,
-                "trajectory_bytes": result.trajectory_bytes,
-                **{k: round(v, 4) for k, v in result.timings.model_dump().items()},
+                "request_id": request.request_id,
+                "donor": donor.request_id,
+                "steps": len(donor_steps(plan, request.num_steps)),
+                "bytes": source.bytes_read,
             },
         )
-        return result
+        return source, given
+
+    def _denoise(
+        self,
+        loaded: LoadedModel,
+        order: WorkOrder,
+        given: S3DonorSource | PrefetchedDonor | None,
+        source: S3DonorSource | None,
+        uploader: TrajectoryUploader,
+        clock: PhaseClock,
+        progress: Progress | None,
+    ) -> GenerationOutput:
+        """Run the engine (a leader streams its trajectory meanwhile); count the fallback it reports."""
+        if order.role is Role.LEADER:
+            uploader.start()
+        try:
+            with loaded.lock:
+                output = self._generate(loaded.engine, order, given, source, uploader, clock, progress)
+        except BaseException:
+            uploader.stop()
+            # A leader that failed may have streamed part of its trajectory: nobody must take it for a donor.
+            self._discard_trajectory(order.request.job_id, uploader)
+            raise
+        uploader.stop()
+        if output.fallback_cause is not None:
+            worker_metrics.count_fallback(output.fallback_cause)
+            if output.fallback_cause is FallbackCause.DONOR_INCOMPATIBLE:
+                log.warning(
+                    "incompatible donor",
+                    extra={"request_id": order.request.request_id, "error": output.fallback},
+                )
+        return output
+
+    def _store_outputs(
+        self, order: WorkOrder, output: GenerationOutput, uploader: TrajectoryUploader, clock: PhaseClock
+    ) -> tuple[str, str | None, int]:
+        """Encode and store the video, and the trajectory (if it cannot be stored the request is still served,
+        it just cannot become a donor): (video uri, trajectory uri, trajectory bytes)."""
+        job, fmt = order.request.job_id, self.settings.video_format
+        with clock.phase("decode"):
+            video_bytes = encode_video(output, fmt)
+        with clock.phase("upload"):
+            stored_video = self.store.put(video_key(job, fmt), video_bytes, video.CONTENT_TYPES[fmt])
+            try:
+                report = uploader.finish(output.trajectory)
+            except StoreError as exc:
+                log.warning(
+                    "trajectory not stored", extra={"request_id": order.request.request_id, "error": str(exc)}
+                )
+                self._discard_trajectory(job, uploader)
+                return stored_video.uri, None, 0
+        return stored_video.uri, self.store.uri(report.prefix), report.bytes
 
     def _discard_trajectory(self, job: str, uploader: TrajectoryUploader) -> None:
         if not uploader.uploaded:
@@ -385,3 +396,21 @@ def close_runners() -> None:
     for runner in _RUNNERS.values():
         runner.publisher.close()
     _RUNNERS.clear()
+
+
+def _log_done(result: GenerationResult) -> None:
+    log.info(
+        "order done",
+        extra={
+            "request_id": result.request_id,
+            "steps_computed": result.steps_computed,
+            "steps_requested": result.steps_requested,
+            "tokens_computed_fraction": round(result.tokens_computed_fraction, 4),
+            "fallback": result.fallback,
+            "reuse": str(result.reuse),
+            "seed_honoured": result.seed_honoured,
+            "video_uri": result.video_uri,
+            "trajectory_bytes": result.trajectory_bytes,
+            **{k: round(v, 4) for k, v in result.timings.model_dump().items()},
+        },
+    )
