@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -24,6 +24,9 @@ from rich.table import Table
 from producer.catalog import ModelName
 from producer.contract import ContractError, GenerationRequest, GenerationResult, ResultStatus, ReusePolicy
 from producer.logs import configure_logging
+
+if TYPE_CHECKING:
+    from producer.settings import ProducerSettings
 
 # Progress bars for batches at least this large.
 _PROGRESS_MIN = 20
@@ -68,8 +71,6 @@ def produce(
     ),
 ) -> None:
     """Publish generation requests to the requests topic (and with --wait, print their results)."""
-    from producer import bus
-    from producer.sdk import BatchInvalid, ChorusClient, PublishError, parse_jsonl, request_from_options
     from producer.settings import EnvFileMissing, ProducerSettings, use_env_file
 
     # Not a terminal (a pipe, a script): wide lines instead of a table folded to 80 columns.
@@ -100,27 +101,78 @@ def produce(
         "reuse": reuse.value if reuse is not None else None,
         "priority": priority,
     }
-    invalid: list[str] = []
+    requests, invalid = _requests_from(
+        prompt, file, request_id, fields, skip_invalid=skip_invalid, as_json=as_json, out=out, err=err
+    )
+    sent, results = _publish_and_follow(settings, requests, wait, timeout, as_json=as_json, out=out, err=err)
+    missing = [rid for rid in sent if rid not in results] if wait else []
+    if as_json:
+        doc = {
+            "topic": settings.kafka_requests_topic,
+            "sent": sent,
+            "invalid": invalid,
+            "results": [results[rid].model_dump(mode="json") for rid in sent if rid in results],
+            "missing": missing,
+        }
+        _print_json(doc)
+    elif wait:
+        out.print(_table(requests, results))
+        if missing:
+            err.print(
+                f"[red]no result within the timeout for {len(missing)} request(s)[/]: {', '.join(missing)}"
+            )
+    failed = any(r.status is not ResultStatus.DONE for r in results.values())
+    if missing or failed:
+        raise typer.Exit(code=1)
+
+
+def _requests_from(
+    prompt: str | None,
+    file: Path | None,
+    request_id: str | None,
+    fields: dict[str, Any],
+    *,
+    skip_invalid: bool,
+    as_json: bool,
+    out: Console,
+    err: Console,
+) -> tuple[list[GenerationRequest], list[str]]:
+    """The requests to send (one from the options, or a file's lines) and the invalid lines skipped."""
+    from producer.sdk import BatchInvalid, parse_jsonl, request_from_options
+
     if prompt is not None:
         try:
-            requests = [request_from_options(prompt=prompt, request_id=request_id, **fields)]
+            return [request_from_options(prompt=prompt, request_id=request_id, **fields)], []
         except ContractError as exc:
             _fail(err, "invalid request:\n" + "\n".join(f"  {i}" for i in exc.issues))
-    else:
-        assert file is not None
-        if request_id is not None:
-            _fail(err, "--request-id names one request; put ids in the file's lines instead")
-        batch = parse_jsonl(
-            _read_lines(file, err), defaults={k: v for k, v in fields.items() if v is not None}
-        )
-        invalid = [str(e) for e in batch.errors]
-        if batch.errors and not skip_invalid:
-            _fail(err, str(BatchInvalid(batch.errors)), as_json=as_json, out=out, invalid=invalid)
-        for line in invalid:
-            err.print(f"[yellow]skipped[/] {escape(line)}")
-        requests = [r for _, r in batch.requests]
-        if not requests:
-            _fail(err, "no valid request to send", as_json=as_json, out=out, invalid=invalid)
+    assert file is not None
+    if request_id is not None:
+        _fail(err, "--request-id names one request; put ids in the file's lines instead")
+    batch = parse_jsonl(_read_lines(file, err), defaults={k: v for k, v in fields.items() if v is not None})
+    invalid = [str(e) for e in batch.errors]
+    if batch.errors and not skip_invalid:
+        _fail(err, str(BatchInvalid(batch.errors)), as_json=as_json, out=out, invalid=invalid)
+    for line in invalid:
+        err.print(f"[yellow]skipped[/] {escape(line)}")
+    requests = [r for _, r in batch.requests]
+    if not requests:
+        _fail(err, "no valid request to send", as_json=as_json, out=out, invalid=invalid)
+    return requests, invalid
+
+
+def _publish_and_follow(
+    settings: ProducerSettings,
+    requests: list[GenerationRequest],
+    wait: bool,
+    timeout: float | None,
+    *,
+    as_json: bool,
+    out: Console,
+    err: Console,
+) -> tuple[list[str], dict[str, GenerationResult]]:
+    """Publish the requests (the broker checked first) and, with ``wait``, collect their results."""
+    from producer import bus
+    from producer.sdk import ChorusClient, PublishError
 
     results: dict[str, GenerationResult] = {}
     bus.check_reachable(settings)  # BrokerUnreachable: one line from the CLI root, within seconds
@@ -144,26 +196,7 @@ def produce(
         finally:
             if watcher is not None:
                 watcher.close()
-
-    missing = [rid for rid in sent if rid not in results] if wait else []
-    if as_json:
-        doc = {
-            "topic": settings.kafka_requests_topic,
-            "sent": sent,
-            "invalid": invalid,
-            "results": [results[rid].model_dump(mode="json") for rid in sent if rid in results],
-            "missing": missing,
-        }
-        _print_json(doc)
-    elif wait:
-        out.print(_table(requests, results))
-        if missing:
-            err.print(
-                f"[red]no result within the timeout for {len(missing)} request(s)[/]: {', '.join(missing)}"
-            )
-    failed = any(r.status is not ResultStatus.DONE for r in results.values())
-    if missing or failed:
-        raise typer.Exit(code=1)
+    return sent, results
 
 
 def _read_lines(file: Path, err: Console) -> list[str]:

@@ -124,14 +124,47 @@ def generate(
         _fail(f"--format must be mp4 or gif, not {video_fmt!r}")
     out_path = output or Path(f"chorus-{request.request_id[:8]}.{video_fmt}")
 
+    donor_traj = _read_donor(donor) if donor is not None else None
+    engine_settings = (model, device or settings.device, dtype or settings.dtype, settings)
+    result, summary = _run_and_write(
+        engine_settings,
+        request,
+        plan,
+        donor_traj,
+        out_path,
+        video_fmt,
+        fps,
+        save_trajectory,
+        trajectory_dtype,
+        as_json,
+    )
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    _print_summary(result, request, plan, donor_traj, summary, video_fmt, trajectory_dtype)
+
+
+def _run_and_write(
+    engine_settings: tuple[str, str, str, WorkerSettings],
+    request: GenerationRequest,
+    plan: ReusePlan,
+    donor_traj: Trajectory | None,
+    out_path: Path,
+    video_fmt: str,
+    fps: int | None,
+    save_trajectory: Path | None,
+    trajectory_dtype: Literal["float32", "float16"],
+    quiet: bool,
+) -> tuple[GenerationOutput, dict[str, Any]]:
+    """Load the model, generate, write the video (and the trajectory if asked): the output and its summary."""
     from workers.engine.engine import Engine
     from workers.engine.errors import IncompatibleDonor
     from workers.video import encode_video
 
-    donor_traj = _read_donor(donor) if donor is not None else None
-    engine = Engine(_load(model, device or settings.device, dtype or settings.dtype, settings))
+    model, device, dtype, settings = engine_settings
+    engine = Engine(_load(model, device, dtype, settings))
     try:
-        result = engine.generate(request, plan, donor=donor_traj, progress=not as_json)
+        result = engine.generate(request, plan, donor=donor_traj, progress=not quiet)
     except IncompatibleDonor as exc:
         _fail(str(exc))
     data = encode_video(result.frames, fmt=video_fmt, fps=fps or result.fps)
@@ -139,7 +172,6 @@ def generate(
     traj_bytes = None
     if save_trajectory is not None:
         traj_bytes = result.trajectory.save(save_trajectory, trajectory_dtype)
-
     summary = {
         **result.summary(),
         "model": model,
@@ -149,10 +181,7 @@ def generate(
         "trajectory": str(save_trajectory) if save_trajectory else None,
         "trajectory_bytes": traj_bytes,
     }
-    if as_json:
-        typer.echo(json.dumps(summary, indent=2))
-        return
-    _print_summary(result, request, plan, donor_traj, summary, video_fmt, trajectory_dtype)
+    return result, summary
 
 
 def _build_request(fields: dict[str, Any], **optional: Any) -> GenerationRequest:
