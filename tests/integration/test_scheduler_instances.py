@@ -93,7 +93,13 @@ def _check_two_instances(stack: EmbeddedStack) -> None:
 
     def family_requests(batch: int, per_family: int) -> list[GenerationRequest]:
         return [
-            build_request(prompt=prompt, model="toy", tenant="acme", request_id=f"f{f}-b{batch}-{i}", seed=i)
+            build_request(
+                prompt=prompt,
+                model="toy",
+                tenant="acme",
+                request_id=f"f{f}-b{batch}-{i}",
+                seed=100 * batch + i,
+            )
             for i in range(per_family)
             for f, prompt in enumerate(FAMILIES)
         ]
