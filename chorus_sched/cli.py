@@ -26,7 +26,7 @@ def scheduler() -> None:
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     from chorus_sched.metrics import serve as serve_metrics
     from chorus_sched.planner import CalibrationError
-    from chorus_sched.service import run
+    from chorus_sched.service import ServiceUnreachable, run
     from chorus_sched.settings import SchedulerSettings
     from producer.bus import BrokerUnreachable, is_bootstrap_failure
     from producer.logs import configure_logging
@@ -52,6 +52,10 @@ def scheduler() -> None:
     except CalibrationError as exc:
         typer.echo(f"calibration table rejected: {exc}", err=True)
         raise typer.Exit(code=2) from None
+    except ServiceUnreachable as exc:  # one line; the traceback only at CHORUS_LOG_LEVEL=DEBUG
+        log.debug("a backing service is unreachable", exc_info=exc)
+        typer.echo(f"scheduler stopped: {exc}", err=True)
+        raise typer.Exit(code=1) from None
     except Exception as exc:
         if is_bootstrap_failure(exc):  # one line: nothing in a traceback would help
             typer.echo(

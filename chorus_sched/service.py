@@ -137,6 +137,14 @@ class Scheduler:
             log.warning("order watchdog failed; will retry", extra={"error": repr(exc)})
 
 
+class ServiceUnreachable(ConnectionError):
+    """A backing service the scheduler needs at start cannot be used; the message says which, where, and why."""
+
+    def __init__(self, what: str, where: str, variables: str, cause: BaseException) -> None:
+        reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        super().__init__(f"cannot reach {what} at {where} ({variables}): {reason[:300]}")
+
+
 def build_scheduler(
     settings: SchedulerSettings,
     *,
@@ -152,20 +160,33 @@ def build_scheduler(
     planner = Planner(load_calibration(settings.calibration_path))
     embedder = embedder or make_embedder(settings.embedder)
     dim = len(embedder.embed(["warm-up"])[0])  # load the model now, not on the first request
-    index = DonorIndex.connect(
-        url=settings.qdrant_url,
-        path=settings.resolved_qdrant_path,
-        api_key=settings.qdrant_api_key,
-        collection=settings.qdrant_collection,
-        dim=dim,
-        lock_wait_s=settings.index_lock_wait_s,
-    )
+    where = settings.qdrant_url or settings.resolved_qdrant_path
+    try:
+        index = DonorIndex.connect(
+            url=settings.qdrant_url,
+            path=settings.resolved_qdrant_path,
+            api_key=settings.qdrant_api_key,
+            collection=settings.qdrant_collection,
+            dim=dim,
+            lock_wait_s=settings.index_lock_wait_s,
+        )
+    except Exception as exc:
+        raise ServiceUnreachable(
+            "the donor index", where, "CHORUS_QDRANT_URL / CHORUS_QDRANT_PATH", exc
+        ) from exc
     ledger = open_ledger(
         settings.redis_url,
         state_dir=settings.state_dir,
         prefix=settings.ledger_prefix,
         ttl_s=settings.ledger_ttl_s,
     )
+    try:
+        ledger.state("chorus-startup-probe")  # Redis connects lazily: find out now, not on the first request
+    except Exception as exc:
+        index.close()
+        raise ServiceUnreachable(
+            "the ledger", settings.redis_url or "SQLite", "CHORUS_REDIS_URL", exc
+        ) from exc
     dispatcher = dispatcher or Dispatcher.for_broker(settings.broker_url, state_dir=settings.state_dir)
     producer = None
     if publish is None:

@@ -26,6 +26,22 @@ def test_bad_settings_stop_the_scheduler_with_the_field_named(tmp_path: Path) ->
     assert "invalid setting CHORUS_CROSS_TENANT_REUSE='maybe'" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"CHORUS_QDRANT_URL": "http://127.0.0.1:1"}, "cannot reach the donor index at http://127.0.0.1:1"),
+        ({"CHORUS_REDIS_URL": "redis://127.0.0.1:1"}, "cannot reach the ledger at redis://127.0.0.1:1"),
+    ],
+)
+def test_an_unreachable_index_or_ledger_stops_the_scheduler_with_one_line(
+    tmp_path: Path, env: dict[str, str], says: str
+) -> None:
+    result = run_scheduler(tmp_path, CHORUS_EMBEDDER="hashing", CHORUS_METRICS_PORT="0", **env)
+    assert result.returncode == 1
+    assert f"scheduler stopped: {says}" in result.stderr and "Traceback" not in result.stderr
+    assert "Traceback" not in result.stdout
+
+
 def test_a_bad_calibration_file_stops_the_scheduler_before_it_consumes(tmp_path: Path) -> None:
     bad = tmp_path / "calibration.json"
     bad.write_text('{"format": "chorus-calibration/1"}')
