@@ -15,7 +15,8 @@ scheduler     ``chorus_sched.*``: the kernel and the scheduler.
 workers       ``workers.*`` (Celery app and tasks, runner, store, donors, results, metrics, ``chorus worker``,
               ``chorus generate``): the kernel, the engine and the workers. Never the scheduler, nor it them.
 top           benchmarks ``workers.bench.*``, the local stack ``producer.local.*``, toy training and evaluation
-              ``workers.toy.*``, the Grafana dashboard builder (``infra/grafana``): any layer but the CLI root.
+              ``workers.toy.*``, the Grafana dashboard builder and its pictures (``infra/grafana``): any layer
+              but the CLI root.
 root          ``producer.cli``, the CLI root: wires the commands of every layer, and ``producer.cli_root``, its
               global options. Nothing imports them.
 ============  ===================================================================================================
@@ -44,6 +45,7 @@ SOURCE_ROOTS: dict[str, Path] = {
     # infra/ is not a package: build_dashboards.py puts its folder on sys.path and imports chorus_dashboards.
     "chorus_dashboards": ROOT / "infra" / "grafana",
     "build_dashboards": ROOT / "infra" / "grafana",
+    "render_dashboards": ROOT / "infra" / "grafana",
 }
 
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -69,6 +71,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "producer.local.*",
         "chorus_dashboards.*",
         "build_dashboards",
+        "render_dashboards",
     ),
     "root": ("producer.cli", "producer.cli_root"),
 }
