@@ -21,6 +21,7 @@ from celery import Celery
 
 from producer.broker import (
     app_for_broker,
+    forget_order,
     mark_order_answered,
     model_last_seen,
     send_evict,
@@ -64,6 +65,10 @@ class Dispatcher:
     def model_last_seen(self, model: str) -> float | None:
         """When a worker last announced ``model`` (``producer.broker.announce_models``)."""
         return model_last_seen(self.app, model)
+
+    def forget(self, task_id: str) -> None:
+        """Clear an ended order's task state and marks before its request runs again under the same id."""
+        forget_order(self.app, task_id)
 
     def mark_answered(self, task_id: str) -> None:
         """A worker that takes this order later skips it (the scheduler answered it itself)."""

@@ -69,26 +69,41 @@ class ExactHits:
         if request.reuse is ReusePolicy.OFF or not self.settings.exact_hits:
             return ExactOutcome.RUN
         key = self._scope(request)
-        stored = self.ledger.get_value(f"{key}:done")
+        stored = self._stored(key, request)
         if stored is not None:
-            self._serve(request, GenerationResult.model_validate_json(stored), "stored")
+            self._serve(request, stored, "stored")
             return ExactOutcome.SERVED
         running = self.ledger.get_value(f"{key}:running")
-        # Only a run still in flight is waited for: one that ended without telling us must not hold others.
+        # Only a run still in flight is waited for: one that ended without telling us must not hold others. A
+        # request that keeps its seed does not wait for a run that might not honour it.
         if (
-            running is not None
-            and running != request.job_id
-            and self.ledger.state(running) in (RequestState.ACCEPTED, RequestState.DISPATCHED)
+            request.keep_seed
+            or running is None
+            or running == request.job_id
+            or self.ledger.state(running) not in (RequestState.ACCEPTED, RequestState.DISPATCHED)
         ):
-            self.ledger.add_waiter(key, request.model_dump_json())
-            self.ledger.set_state(request.job_id, RequestState.COALESCED)
-            METRICS.exact_hits.labels(kind="coalesced").inc()
-            log.info(
-                "identical request running; this one waits for its result",
-                extra={"request_id": request.request_id, "tenant": request.tenant, "running": running},
-            )
-            return ExactOutcome.COALESCED
-        return ExactOutcome.RUN
+            return ExactOutcome.RUN
+        self.ledger.add_waiter(key, request.model_dump_json())
+        self.ledger.set_state(request.job_id, RequestState.COALESCED)
+        # The run may have finished between the check and the push, its result taking an empty waiting list:
+        # look again, and answer whatever waits now (taking the list is atomic, so nothing is answered twice).
+        if self.ledger.get_value(f"{key}:running") != running:
+            self._answer_waiters(key, self._stored(key, None))
+        METRICS.exact_hits.labels(kind="coalesced").inc()
+        log.info(
+            "identical request running; this one waits for its result",
+            extra={"request_id": request.request_id, "tenant": request.tenant, "running": running},
+        )
+        return ExactOutcome.COALESCED
+
+    def _stored(self, key: str, request: GenerationRequest | None) -> GenerationResult | None:
+        raw = self.ledger.get_value(f"{key}:done")
+        if raw is None:
+            return None
+        stored = GenerationResult.model_validate_json(raw)
+        if request is not None and request.keep_seed and not stored.seed_honoured:
+            return None  # its video is not this seed's own sample
+        return stored
 
     def running(self, request: GenerationRequest) -> None:
         """Record ``request`` (dispatched now) as the one running for its fingerprint."""
@@ -111,12 +126,24 @@ class ExactHits:
         served = result.status is ResultStatus.DONE and result.video_uri is not None
         if served:
             self.ledger.put_value(f"{key}:done", result.model_dump_json(), ttl_s=self.settings.donor_ttl_s)
-        for raw in self.ledger.take_waiters(key):
-            waiting = GenerationRequest.model_validate_json(raw)
-            if served:
-                self._serve(waiting, result, "coalesced")
-            else:
-                self._run_in_full(waiting, result)
+        self._answer_waiters(key, result if served else None, failed=None if served else result)
+
+    def _answer_waiters(
+        self, key: str, result: GenerationResult | None, *, failed: GenerationResult | None = None
+    ) -> None:
+        """Answer every request waiting under ``key`` from ``result``, or run each in full. If answering one
+        fails (Kafka, the broker), the ones not yet answered are put back to wait for the retry."""
+        waiting = [GenerationRequest.model_validate_json(raw) for raw in self.ledger.take_waiters(key)]
+        for i, request in enumerate(waiting):
+            try:
+                if result is not None:
+                    self._serve(request, result, "coalesced")
+                else:
+                    self._run_in_full(request, failed)
+            except Exception:
+                for left in waiting[i:]:
+                    self.ledger.add_waiter(key, left.model_dump_json())
+                raise
 
     def _serve(self, request: GenerationRequest, source: GenerationResult, kind: str) -> None:
         answer = GenerationResult(
@@ -131,6 +158,10 @@ class ExactHits:
             tokens_computed_fraction=0.0,
             reuse=ReuseKind.EXACT,
             served_from=source.job_id,
+            # The video is the source's: so is what it says of the seed and the prompt it was made from.
+            seed_honoured=source.seed_honoured,
+            prompt_tokens_used=source.prompt_tokens_used,
+            prompt_truncated=source.prompt_truncated,
         )
         self.publish(self.settings.kafka_results_topic, request.request_id, answer.to_bytes())
         self.ledger.set_state(request.job_id, RequestState.DONE)
@@ -140,7 +171,7 @@ class ExactHits:
             extra={"request_id": request.request_id, "tenant": request.tenant, "served_from": source.job_id},
         )
 
-    def _run_in_full(self, request: GenerationRequest, failed: GenerationResult) -> None:
+    def _run_in_full(self, request: GenerationRequest, failed: GenerationResult | None) -> None:
         order = WorkOrder(request=request, plan=ReusePlan.full(request.num_steps), role=Role.SOLO)
         self.send_order(order)
         self.ledger.record_dispatch(
@@ -161,7 +192,7 @@ class ExactHits:
             "the identical request this one waited for did not finish; running it in full",
             extra={
                 "request_id": request.request_id,
-                "waited_for": failed.job_id,
-                "status": str(failed.status),
+                "waited_for": failed.job_id if failed else None,
+                "status": str(failed.status) if failed else None,
             },
         )

@@ -86,7 +86,7 @@ def decide(
     considered = [
         Considered(c, diff, planner.plan(c.similarity, diff, n))
         for c in candidates
-        if c.request_id != request.request_id
+        if c.request_id != request.job_id  # candidates are named by job id
         for diff in (word_diff(c.prompt, request.prompt),)
     ]
     accepted = [c for c in considered if c.choice.reuses]

@@ -144,6 +144,12 @@ class Intake:
                         extra={"request_id": request.request_id, "previous_owner": claim.owner},
                     )
                 elif claim.outcome == "retry":
+                    # Its new order reuses the task id: the ended one's marks would make a worker skip it.
+                    try:
+                        self.dispatcher.forget(request.job_id)
+                    except Exception as exc:
+                        self._failed(m, progress, exc, request)
+                        continue
                     log.info(
                         "request sent again after it ended without a video; scheduling it anew",
                         extra={

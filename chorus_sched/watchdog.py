@@ -19,6 +19,7 @@ answered ``failed`` (``worker_lost``) so its sender is never left waiting.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Protocol
 
@@ -73,12 +74,25 @@ class OrderWatchdog:
         self.clock = clock
 
     def check(self) -> list[str]:
-        """Send again (or fail) every lost order; returns the job ids acted on."""
+        """Send again (or fail) every lost order; returns the job ids acted on. One instance at a time: with
+        several schedulers, the others skip the round rather than act on the same orders twice."""
+        token = f"{self.settings.resolved_instance_id}:{uuid.uuid4().hex}"
+        if not self.ledger.try_lock(
+            "watchdog", token, ttl_s=max(30.0, 4 * self.settings.watchdog_interval_s)
+        ):
+            return []
+        try:
+            return self._check_all()
+        finally:
+            self.ledger.unlock("watchdog", token)
+
+    def _check_all(self) -> list[str]:
         now = self.clock()
         acted = []
         for record in self.ledger.dispatched_records():
             sent_at = record.dispatched_at or record.accepted_at
-            if record.order is None:
+            # The snapshot may be stale: a result read since must not be overwritten by a re-send or a failure.
+            if record.order is None or self.ledger.state(record.request_id) != RequestState.DISPATCHED:
                 continue
             if now - sent_at >= self.settings.no_worker_after_s and self._nobody_serves(record, now):
                 acted.append(record.request_id)
@@ -145,7 +159,8 @@ class OrderWatchdog:
     def _lost(self, job: str, sent_at: float, now: float) -> str | None:
         state, heartbeat = self.dispatcher.task_state(job)
         if state in STARTED_STATES:
-            last = heartbeat if heartbeat is not None else sent_at
+            # A re-sent order shows the dead worker's last beat until a copy starts: count from the re-send.
+            last = max(heartbeat or 0.0, sent_at)
             if now - last > self.settings.worker_lost_after_s:
                 return f"its worker stopped beating {now - last:.0f} s ago"
         elif state == "PENDING" and now - sent_at > self.settings.order_pending_lost_after_s:
@@ -173,6 +188,7 @@ class OrderWatchdog:
             error=ErrorInfo(code="worker_lost", message=message),
             steps_requested=order.request.num_steps,
         )
+        self.dispatcher.mark_answered(record.request_id)  # copies still queued must not answer it again
         self.publish(self.settings.kafka_results_topic, order.request.request_id, failed.to_bytes())
         self.ledger.set_state(record.request_id, RequestState.FAILED)
         METRICS.redispatched.labels(outcome="failed").inc()

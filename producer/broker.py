@@ -228,6 +228,8 @@ def send_evict(app: Celery, order: EvictOrder, **options: Any) -> AsyncResult[An
 # Beside a task's state in the result backend: the mark that its result was published (or that the scheduler
 # answered it itself), so a later delivery of the same order is skipped instead of answered twice.
 ANSWERED_SUFFIX = ".answered"
+# Beside it: how many times the order was delivered (workers.tasks.count_attempt).
+ATTEMPTS_SUFFIX = ".attempts"
 
 
 # --- which models have live workers ----------------------------------------------------------------------------
@@ -260,6 +262,15 @@ def model_last_seen(app: Celery, model: str) -> float | None:
         return float(raw.decode() if isinstance(raw, bytes) else raw)
     except ValueError:
         return None
+
+
+def forget_order(app: Celery, task_id: str) -> None:
+    """Forget what the backend holds of a task (its state, delivery count and answered mark): for a request sent
+    again after it ended, whose new order reuses the task id (its job id) and must run, not be skipped."""
+    backend = app.backend
+    for suffix in ("", ATTEMPTS_SUFFIX, ANSWERED_SUFFIX):
+        key = backend.get_key_for_task(task_id, key=suffix)
+        backend.delete(key)
 
 
 def mark_order_answered(app: Celery, task_id: str) -> None:

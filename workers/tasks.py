@@ -22,7 +22,7 @@ from celery import Celery, Task
 from pydantic import ValidationError
 
 from producer import broker
-from producer.broker import ANSWERED_SUFFIX
+from producer.broker import ANSWERED_SUFFIX, ATTEMPTS_SUFFIX
 from producer.orders import EVICT_TASK, GENERATE_TASK, HEARTBEAT_FIELD, EvictOrder
 from workers.metrics import busy, metrics
 from workers.results import ResultNotPublished
@@ -30,8 +30,6 @@ from workers.settings import WorkerSettings
 from workers.store import StoreError, store_for
 
 log = logging.getLogger(__name__)
-
-_ATTEMPTS_SUFFIX = ".attempts"
 
 
 def settings_of(app: Celery) -> WorkerSettings:
@@ -75,6 +73,8 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
     attempt = count_attempt(self)
     state: dict[str, Any] = {}
     lock = threading.Lock()
+    # Celery keeps the task's request per thread: the heartbeat thread must name the task id itself.
+    task_id = self.request.id
 
     def beat(**fields: Any) -> None:
         # The task's state in the result backend: progress, and a heartbeat that tells the scheduler this order
@@ -82,7 +82,7 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
         with lock:
             state.update(fields, **{HEARTBEAT_FIELD: time.time()})
             try:
-                self.update_state(state="PROGRESS", meta=dict(state))
+                self.update_state(task_id=task_id, state="PROGRESS", meta=dict(state))
             except Exception as exc:
                 log.debug("task state not recorded", extra={"error": repr(exc)})
 
@@ -167,7 +167,7 @@ def count_attempt(task: Task) -> int:
 
 def attempts_key(task: Task) -> Any:
     """The backend key of a task's delivery counter (``None`` for a backend without plain keys)."""
-    return _backend_key(task, _ATTEMPTS_SUFFIX)
+    return _backend_key(task, ATTEMPTS_SUFFIX)
 
 
 def was_answered(task: Task) -> bool:

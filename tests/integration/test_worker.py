@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -378,6 +379,30 @@ def test_a_second_copy_of_an_answered_order_is_skipped_not_run_again(
     ]
     consumer.close()
     assert len(published) == 1
+
+
+def test_an_order_forgotten_after_its_request_ended_runs_again_under_the_same_task_id(
+    worker: Celery, client: Celery, results: ResultWatcher, wsettings: WorkerSettings
+) -> None:
+    # A request that ended (failed, rejected) and is sent again reuses its job id as task id: the scheduler
+    # forgets the ended order's marks, so the new order runs instead of being skipped as already answered.
+    from producer import bus
+    from producer.broker import forget_order
+
+    order = order_for(request_like("an order sent again after it ended"))
+    first, _ = run(client, results, order)
+    assert first.status is ResultStatus.DONE
+    forget_order(client, order.request.job_id)
+    send_generate(client, order)
+    deadline, published = time.monotonic() + 120, 0
+    while published < 2 and time.monotonic() < deadline:
+        consumer = bus.make_consumer(wsettings, [wsettings.kafka_results_topic], group_id=None)
+        published = sum(
+            GenerationResult.model_validate_json(r.value).request_id == order.request.request_id
+            for r in bus.poll_records(consumer, timeout_s=5)
+        )
+        consumer.close()
+    assert published == 2
 
 
 def test_gif_videos_are_stored_as_gif(

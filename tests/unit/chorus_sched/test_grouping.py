@@ -104,7 +104,8 @@ def test_refused_candidates_are_explained() -> None:
 
 def test_the_request_never_takes_itself_as_a_donor() -> None:
     request = req(request_id="me")
-    decision = decide(request, [cand("me", RED, 1.0, ready=False)], PLANNER)
+    # the index names its entries by job id (tenant~request id)
+    decision = decide(request, [cand(request.job_id, RED, 1.0, ready=False)], PLANNER)
     assert decision.role is Role.LEADER and decision.considered == []
 
 

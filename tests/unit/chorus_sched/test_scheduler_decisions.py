@@ -224,9 +224,13 @@ class FakeDispatcher:
     def __init__(self) -> None:
         self.orders: list[WorkOrder] = []
         self.evictions: list[EvictOrder] = []
+        self.forgotten: list[str] = []
 
     def generate(self, order: WorkOrder) -> None:
         self.orders.append(order)
+
+    def forget(self, task_id: str) -> None:
+        self.forgotten.append(task_id)
 
     def evict(self, order: EvictOrder) -> None:
         self.evictions.append(order)
@@ -496,6 +500,8 @@ def test_a_request_sent_again_after_it_failed_is_scheduled_anew(ports: Ports) ->
     assert len(ports.dispatcher.orders) == 1
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 9, b"again")])
     assert len(ports.dispatcher.orders) == 2 and ports.ledger.state("again") == "dispatched"
+    # the ended order's marks are cleared: a worker must run the new order under the same task id, not skip it
+    assert ports.dispatcher.forgotten == ["again"]
 
 
 # --- exact hits ------------------------------------------------------------------------------------------------
@@ -577,3 +583,54 @@ def test_a_request_that_keeps_its_seed_takes_no_donor_of_another_seed(ports: Por
     mine, anyone = ports.dispatcher.orders[1:]
     assert mine.donor is None and mine.plan == ReusePlan.full(4)
     assert anyone.donor is not None and anyone.donor.request_id == "donor" and anyone.plan.reuses
+
+
+def test_a_run_that_ends_while_an_identical_request_starts_waiting_still_answers_it(ports: Ports) -> None:
+    # The result of the running request is handled between the newcomer's check and its push onto the waiting
+    # list (another thread or instance): the newcomer must be answered, not left waiting forever.
+    ports.scheduler.handle_requests([Msg(request(request_id="runner", seed=3).to_bytes(), 0)])
+    exact, ledger = ports.scheduler.exact, ports.ledger
+    push = ledger.add_waiter
+
+    def push_after_the_result(key: str, value: str) -> None:
+        record = ledger.record("runner")
+        assert record is not None
+        exact.on_result(record, done("runner"))  # takes an empty list, stores the result
+        push(key, value)
+
+    ledger.add_waiter = push_after_the_result  # type: ignore[method-assign]
+    ports.scheduler.handle_requests([Msg(request(request_id="late-twin", seed=3).to_bytes(), 1)])
+    [answer] = results_on(ports)
+    assert answer.request_id == "late-twin" and answer.reuse is ReuseKind.EXACT
+    assert ledger.waiters == {} or all(not v for v in ledger.waiters.values())
+
+
+def test_waiters_not_yet_answered_when_publishing_fails_wait_again(ports: Ports) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="runner", seed=3).to_bytes(), 0)])
+    twins = [request(request_id=f"twin-{i}", seed=3) for i in range(2)]
+    ports.scheduler.handle_requests([Msg(t.to_bytes(), 1 + i) for i, t in enumerate(twins)])
+    record = ports.ledger.record("runner")
+    assert record is not None
+
+    def kafka_down(topic: str, key: str, value: bytes) -> None:
+        raise OSError("results topic unreachable")
+
+    exact = ports.scheduler.exact
+    publish, exact.publish = exact.publish, kafka_down
+    with pytest.raises(OSError):
+        exact.on_result(record, done("runner"))
+    exact.publish = publish
+    exact.on_result(record, done("runner"))  # the result is handled again (the message was not committed)
+    assert sorted(a.request_id for a in results_on(ports)) == ["twin-0", "twin-1"]
+
+
+def test_an_exact_hit_carries_what_its_source_says_of_seed_and_prompt(ports: Ports) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="orig", seed=7).to_bytes(), 0)])
+    source = done("orig", seed_honoured=False, prompt_tokens_used=32, prompt_truncated=True)
+    ports.scheduler.handle_results([Msg(source.to_bytes(), 0, topic="results")])
+    ports.scheduler.handle_requests([Msg(request(request_id="again", seed=7).to_bytes(), 1)])
+    [answer] = results_on(ports)
+    assert (answer.seed_honoured, answer.prompt_tokens_used, answer.prompt_truncated) == (False, 32, True)
+    # a request that keeps its seed is not served a video that did not honour it
+    ports.scheduler.handle_requests([Msg(request(request_id="mine", seed=7, keep_seed=True).to_bytes(), 2)])
+    assert ports.dispatcher.orders[-1].request.request_id == "mine"

@@ -173,3 +173,32 @@ def test_an_order_for_a_model_a_live_worker_serves_waits_its_turn(
     clock.now += 25
     celery.seen = {"*": clock.now - 3, "toy": clock.now - 3}
     assert watchdog.check() == [] and published == [] and celery.answered == []
+
+
+def test_a_re_sent_order_is_given_its_own_time_before_it_counts_as_lost_again(
+    ledger: SqliteLedger, tmp_path: Path
+) -> None:
+    watchdog, celery, clock, published = setup(ledger, tmp_path)
+    order = dispatch(ledger, clock.now)
+    job = order.request.job_id
+    celery.states[job] = ("PROGRESS", clock.now)  # the dead worker's last beat stays in the backend
+    clock.now += 70
+    assert watchdog.check() == [job] and len(celery.sent) == 1
+    clock.now += 40  # past order_check_after_s, but the re-sent copy has had only 40 s of worker_lost_after_s
+    assert watchdog.check() == [] and len(celery.sent) == 1
+    clock.now += 30
+    assert watchdog.check() == [job] and len(celery.sent) == 2
+    clock.now += 70
+    watchdog.check()  # lost a third time: answered failed, and marked so a queued copy is skipped
+    assert celery.answered == [job] and len(published) == 1
+
+
+def test_one_instance_at_a_time_checks_the_orders(ledger: SqliteLedger, tmp_path: Path) -> None:
+    watchdog, celery, clock, _ = setup(ledger, tmp_path)
+    order = dispatch(ledger, clock.now)
+    celery.states[order.request.job_id] = ("PROGRESS", clock.now)
+    clock.now += 100
+    assert ledger.try_lock("watchdog", "another-scheduler:x", ttl_s=60)
+    assert watchdog.check() == [] and celery.sent == []  # the other instance is checking them
+    ledger.unlock("watchdog", "another-scheduler:x")
+    assert watchdog.check() == [order.request.job_id]
