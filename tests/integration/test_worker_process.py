@@ -24,7 +24,7 @@ from celery import Celery
 from producer.broker import app_for_broker, send_generate
 from producer.contract import ResultStatus, ReusePlan, build_request
 from producer.local.standins import EmbeddedService
-from producer.orders import DonorRef, Role, WorkOrder, header_key, step_key, trajectory_prefix
+from producer.orders import DonorRef, Role, WorkOrder, header_key, heartbeat_of, step_key, trajectory_prefix
 from producer.sdk import ResultWatcher, read_requests
 from workers.settings import WorkerSettings
 from workers.store import ObjectStore
@@ -101,10 +101,10 @@ def store(wsettings: WorkerSettings) -> ObjectStore:
     return store
 
 
-def wait_for_state(client: Celery, task_id: str, state: str, timeout_s: float) -> None:
+def wait_for_state(client: Celery, task_id: str, states: tuple[str, ...], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while client.AsyncResult(task_id).state != state:
-        assert time.monotonic() < deadline, f"task {task_id} never reached {state}"
+    while client.AsyncResult(task_id).state not in states:
+        assert time.monotonic() < deadline, f"task {task_id} never reached {states}"
         time.sleep(0.2)
 
 
@@ -125,8 +125,13 @@ def test_a_follower_streams_the_steps_of_a_leader_that_starts_after_it(
     with ResultWatcher(wsettings) as results:
         send_generate(client, WorkOrder(request=follower, plan=plan, donor=donor, role=Role.FOLLOWER))
         # The follower runs (and waits for a leader that does not exist yet) before the leader is even sent.
-        wait_for_state(client, follower.request_id, "STARTED", TIMEOUT_S)
+        # Running: STARTED, then PROGRESS as soon as its heartbeat thread beats (it beats while it waits, too).
+        wait_for_state(client, follower.request_id, ("STARTED", "PROGRESS"), TIMEOUT_S)
         assert not store.exists(header_key(trajectory_prefix(leader.request_id)))
+        beat_deadline = time.monotonic() + 30
+        while heartbeat_of(client.AsyncResult(follower.request_id).info) is None:
+            assert time.monotonic() < beat_deadline, "the waiting follower never beat its heartbeat"
+            time.sleep(0.2)
         send_generate(client, WorkOrder(request=leader, plan=ReusePlan.full(6), role=Role.LEADER))
         got = {
             r.request_id: r
