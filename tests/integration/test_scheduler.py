@@ -9,359 +9,43 @@ inspects what is on the Celery queues with a small kombu consumer (the same app 
 from __future__ import annotations
 
 import base64
-import json
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
-from celery import Celery
-from kafka import KafkaProducer
 from kafka.structs import TopicPartition
-from kombu import Queue
 
 from chorus_sched.dispatch import Dispatcher
 from chorus_sched.embedding import HashingEmbedder, word_diff
 from chorus_sched.planner import Planner, load_calibration
-from chorus_sched.service import Scheduler, build_scheduler, run
-from chorus_sched.settings import SchedulerSettings
+from chorus_sched.service import build_scheduler
 from producer import bus
-from producer.broker import EXCHANGE, app_for_broker
 from producer.contract import (
-    DeadLetter,
-    DonorInfo,
-    GenerationRequest,
     GenerationResult,
     ResultStatus,
     ReusePlan,
-    build_request,
 )
 from producer.orders import (
     EVICT_TASK,
-    GENERATE_TASK,
     MAINTENANCE_QUEUE,
-    EvictOrder,
     Role,
-    WorkOrder,
     queue_for,
 )
-from producer.settings import KafkaSettings
+from tests.helpers.scheduler_harness import (
+    OTHER,
+    PROMPT,
+    WAIT_S,
+    Harness,
+    Record,
+    celery_client,
+    dead_letters,
+    done,
+    drain,
+    request,
+    results_of,
+)
 
 pytestmark = pytest.mark.integration
-
-PROMPT = "a red circle moving left on a white background"
-OTHER = "a green triangle moving up on a black background"
-WAIT_S = 90.0
-
-
-def celery_client(broker_url: str, state_dir: Path, key_prefix: str) -> Celery:
-    app = app_for_broker(broker_url, state_dir=state_dir)
-    if broker_url.startswith("redis://"):
-        options = dict(app.conf.broker_transport_options or {})
-        options["global_keyprefix"] = key_prefix
-        app.conf.broker_transport_options = options
-    return app
-
-
-@dataclass
-class Task:
-    name: str
-    args: list[Any]
-    properties: dict[str, Any]
-
-    @property
-    def order(self) -> WorkOrder:
-        return WorkOrder.model_validate_json(self.args[0])
-
-    @property
-    def evict_order(self) -> EvictOrder:
-        return EvictOrder.model_validate_json(self.args[0])
-
-
-def drain(app: Celery, queue: str) -> list[Task]:
-    """Every message now on ``queue`` (a consumer of the queue, like a worker, that takes them all).
-
-    Called once the scheduler has committed everything published, i.e. once every order it will send is on the
-    broker, so "until empty" is all of them.
-    """
-    tasks = []
-    with app.connection_for_read() as conn:
-        simple = conn.SimpleQueue(Queue(queue, EXCHANGE, routing_key=queue, durable=True))
-        while True:
-            try:
-                message = simple.get_nowait()
-            except simple.Empty:
-                break
-            args, _kwargs, _embed = message.payload
-            tasks.append(Task(message.headers["task"], args, dict(message.properties)))
-            message.ack()
-        simple.close()
-    return tasks
-
-
-class Harness:
-    def __init__(self, settings: SchedulerSettings, app: Celery) -> None:
-        self.settings = settings
-        self.app = app
-        self.scheduler: Scheduler
-        self.scheduler, self._close = build_scheduler(
-            settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app)
-        )
-        self.producer: KafkaProducer = bus.make_producer(settings)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(
-            target=run, args=(settings, self.stop), kwargs={"scheduler": self.scheduler}, daemon=True
-        )
-        self.thread.start()
-
-    def publish(self, *messages: GenerationRequest | bytes, key: str = "raw") -> None:
-        for m in messages:
-            if isinstance(m, bytes):
-                bus.publish(self.producer, self.settings.kafka_requests_topic, key, m)
-            else:
-                bus.publish(self.producer, self.settings.kafka_requests_topic, m.request_id, m.to_bytes())
-
-    def publish_result(self, result: GenerationResult) -> None:
-        bus.publish(self.producer, self.settings.kafka_results_topic, result.request_id, result.to_bytes())
-
-    def wait_handled(self) -> None:
-        """Until both consumer groups have committed every message published so far."""
-        for group, topic in (
-            (self.settings.kafka_group_id, self.settings.kafka_requests_topic),
-            (self.settings.kafka_results_group_id, self.settings.kafka_results_topic),
-        ):
-            deadline = time.monotonic() + WAIT_S
-            while True:
-                progress = bus.group_progress(self.settings, group, topic)
-                if all(committed >= end for committed, end in progress.values()):
-                    break
-                assert self.thread.is_alive(), "the scheduler loop died"
-                assert time.monotonic() < deadline, f"{group} did not handle {topic}: {progress}"
-                time.sleep(0.2)
-
-    def generate_tasks(self, model: str = "toy") -> dict[str, Task]:
-        tasks = drain(self.app, queue_for(model))
-        assert all(t.name == GENERATE_TASK for t in tasks)
-        ids = [t.order.request.request_id for t in tasks]
-        assert len(ids) == len(set(ids)), f"duplicate work orders: {ids}"
-        return dict(zip(ids, tasks, strict=True))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=60)
-        assert not self.thread.is_alive()
-        self.producer.close(timeout=10)
-
-
-@pytest.fixture
-def make_settings(kafka_settings: KafkaSettings, redis_url: str, tmp_path: Path) -> Iterator[Any]:
-    """Settings for one test; its Redis keys (ledger and Celery broker) share one prefix, removed afterwards."""
-    suffix = uuid.uuid4().hex[:8]
-
-    def make(**overrides: Any) -> SchedulerSettings:
-        fields: dict[str, Any] = {
-            **kafka_settings.model_dump(),
-            "state_dir": tmp_path / "state",
-            "kafka_group_id": f"sched-{suffix}",
-            "kafka_results_group_id": f"sched-results-{suffix}",
-            "redis_url": redis_url,
-            "ledger_prefix": f"test-{suffix}:",
-            "broker_url": redis_url,
-            "embedder": "hashing",
-            "poll_timeout_ms": 100,
-            "kafka_metadata_max_age_ms": 1000,
-            "kafka_session_timeout_ms": 6000,
-            "kafka_max_poll_interval_ms": 15000,
-            "instance_id": f"sched-{suffix}",
-            **overrides,
-        }
-        return SchedulerSettings(**fields)
-
-    yield make
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"test-{suffix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
-
-
-@pytest.fixture
-def harness(make_settings: Any) -> Iterator[Harness]:
-    settings = make_settings()
-    h = Harness(settings, celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix))
-    yield h
-    h.close()
-
-
-def request(prompt: str = PROMPT, **fields: Any) -> GenerationRequest:
-    # The default tenant, whose job ids are its request ids (index and ledger keys); tenants have their own tests.
-    return build_request(prompt=prompt, model="toy", tenant=fields.pop("tenant", "default"), **fields)
-
-
-def done(
-    rid: str, *, tenant: str = "default", nbytes: int = 1000, donor: str | None = None, **fields: Any
-) -> GenerationResult:
-    return GenerationResult(
-        request_id=rid,
-        tenant=tenant,
-        status=ResultStatus.DONE,
-        video_uri=f"s3://chorus/videos/{rid}.mp4",
-        trajectory_uri=f"s3://chorus/trajectories/{rid}/",
-        trajectory_bytes=nbytes,
-        donor=DonorInfo(request_id=donor, similarity=1.0) if donor else None,
-        steps_requested=4,
-        steps_computed=fields.pop("steps_computed", 4),
-        tokens_computed_fraction=fields.pop("tokens_computed_fraction", 1.0),  # in full unless said otherwise
-        **fields,
-    )
-
-
-def dead_letters(settings: KafkaSettings, n: int) -> list[DeadLetter]:
-    consumer = bus.make_consumer(settings, [settings.kafka_dead_letter_topic], group_id=None)
-    letters = []
-    for record in bus.poll_records(consumer, timeout_s=WAIT_S):
-        letters.append(DeadLetter.model_validate_json(record.value))
-        if len(letters) == n:
-            break
-    consumer.close()
-    return letters
-
-
-def results_of(settings: KafkaSettings, n: int) -> list[GenerationResult]:
-    consumer = bus.make_consumer(settings, [settings.kafka_results_topic], group_id=None)
-    out = []
-    for record in bus.poll_records(consumer, timeout_s=WAIT_S):
-        out.append(GenerationResult.model_validate_json(record.value))
-        if len(out) == n:
-            break
-    consumer.close()
-    return out
-
-
-def test_hostile_messages_are_dead_lettered_and_the_requests_behind_them_run(harness: Harness) -> None:
-    topic = harness.settings.kafka_requests_topic
-    send = harness.producer.send
-    # One partition's worth of poison in front of valid requests: a tombstone, a number Python will not convert,
-    # a ~900 KB prompt (its dead letter must still fit the producer's request size), and an anonymous request.
-    send(topic, key=b"tomb", value=None).get(timeout=30)
-    harness.publish(
-        b'{"request_id": "huge-seed", "prompt": "x", "seed": ' + b"9" * 5001 + b"}", key="huge-seed"
-    )
-    big = json.dumps({"request_id": "big", "prompt": "x" * 900_000}).encode()
-    harness.publish(big, key="big")
-    send(topic, key=None, value=b'{"prompt": "a red circle moving left on a gray background"}').get(
-        timeout=30
-    )
-    valid = [request(request_id=f"after-{i}", seed=i) for i in range(3)]
-    harness.publish(*valid)
-    harness.wait_handled()
-
-    assert sorted(harness.generate_tasks()) == ["after-0", "after-1", "after-2"]
-    letters = dead_letters(harness.settings, 4)
-    rules = sorted(letter.issues[0].rule for letter in letters)
-    assert rules == ["json", "missing", "size", "tombstone"]
-    sized = next(letter for letter in letters if letter.issues[0].rule == "size")
-    assert sized.raw_truncated and sized.raw_size == len(big) and len(sized.to_bytes()) < 64 * 1024
-    rejected = {r.request_id: r for r in results_of(harness.settings, 2)}
-    assert set(rejected) == {"huge-seed", "big"}
-    assert all(r.status is ResultStatus.REJECTED for r in rejected.values())
-
-
-@pytest.mark.parametrize("holder", ["qdrant-client", "chorus-index-lock"])
-def test_with_the_index_held_by_another_client_requests_are_computed_in_full_not_rejected(
-    harness: Harness, holder: str
-) -> None:
-    import fcntl
-    import os
-
-    from qdrant_client import QdrantClient
-
-    from chorus_sched.index import LOCK_FILE
-
-    path = harness.settings.resolved_qdrant_path
-    release: Callable[[], None]
-    if holder == "qdrant-client":  # another Qdrant client has the local-mode folder open (its own lock)
-        intruder = QdrantClient(path=path)
-        release = intruder.close
-    else:  # a stuck process holds the lock Chorus' own instances share the folder by
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        release = partial(os.close, fd)
-
-    try:
-        auto = request(request_id="while-down", seed=1)
-        off = request(OTHER, request_id="off-while-down", reuse="off")
-        harness.publish(auto, off)
-        harness.wait_handled()
-    finally:
-        release()
-    tasks = harness.generate_tasks()
-    assert sorted(tasks) == ["off-while-down", "while-down"]
-    assert all(t.order.plan == ReusePlan.full(4) and t.order.donor is None for t in tasks.values())
-    assert harness.scheduler.stats.dead_lettered == 0
-    assert harness.scheduler.stats.index_unavailable == 1  # only the reuse: auto request needed the index
-    # the index is back: the next request uses it again
-    harness.publish(request(request_id="after-down", seed=2))
-    harness.wait_handled()
-    assert harness.scheduler.index.get("after-down") is not None
-
-
-def test_an_order_whose_worker_vanished_is_sent_again_by_maintenance(make_settings: Any) -> None:
-    settings = make_settings(order_check_after_s=0.1, worker_lost_after_s=1.0, max_redispatches=1)
-    app = celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix)
-    scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
-    try:
-        lost = request(request_id="lost-order")
-        topic = settings.kafka_requests_topic
-        scheduler.handle_requests([Record(topic, 0, 0, b"lost-order", lost.to_bytes())])
-        [first] = drain(app, queue_for("toy"))  # a worker took it...
-        # ...started it, beat once, and was killed: its state stays PROGRESS with a heartbeat that ages.
-        app.backend.store_result("lost-order", {"heartbeat_at": time.time(), "step": 1, "of": 4}, "PROGRESS")
-        time.sleep(0.3)
-        scheduler.maintain()
-        assert drain(app, queue_for("toy")) == []  # the heartbeat is fresh: alive
-        time.sleep(1.2)
-        scheduler.maintain()
-        [again] = drain(app, queue_for("toy"))
-        assert again.order == first.order
-        time.sleep(1.2)
-        scheduler.maintain()  # lost a second time: answered failed, not sent a third time
-        assert drain(app, queue_for("toy")) == []
-        [failed] = results_of(settings, 1)
-        assert failed.request_id == "lost-order" and failed.status is ResultStatus.FAILED
-        assert failed.error is not None and failed.error.code == "worker_lost"
-    finally:
-        close()
-
-
-def test_an_order_for_a_model_no_live_worker_serves_is_rejected_within_seconds(make_settings: Any) -> None:
-    from producer.broker import announce_models, model_last_seen
-
-    settings = make_settings(no_worker_after_s=1.0, watchdog_interval_s=0.5)
-    app = celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix)
-    # Workers run, but only for another model (what `chorus worker` announces every few seconds).
-    announce_models(app, ["tiny-random-wan"], now=time.time())
-    assert model_last_seen(app, "tiny-random-wan") is not None and model_last_seen(app, "toy") is None
-    h = Harness(settings, app)
-    try:
-        started = time.monotonic()
-        h.publish(request(request_id="nobody-serves-it"))
-        [rejected] = results_of(settings, 1)
-        assert time.monotonic() - started < 20
-        assert rejected.request_id == "nobody-serves-it" and rejected.status is ResultStatus.REJECTED
-        assert rejected.error is not None and rejected.error.code == "no_worker"
-        assert "chorus worker --model toy" in rejected.error.message
-        [letter] = dead_letters(settings, 1)
-        assert letter.error.code == "no_worker" and letter.topic == settings.kafka_requests_topic
-        assert GenerationRequest.model_validate_json(letter.raw()).request_id == "nobody-serves-it"
-    finally:
-        h.close()
 
 
 def test_requests_become_one_task_each_bad_ones_are_dead_lettered_and_duplicates_skipped(
@@ -572,17 +256,6 @@ def test_a_donor_a_worker_found_gone_is_evicted_and_not_offered_again(make_setti
         assert nxt.donor is not None and nxt.donor.request_id in {"slow-user", "user"}
     finally:
         h.close()
-
-
-@dataclass(frozen=True)
-class Record:
-    """A consumed message as the scheduler core sees it (what kafka-python's ConsumerRecord carries)."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes
 
 
 def test_a_request_claimed_by_a_crashed_instance_is_retried_then_taken_over_once_its_lease_expires(
