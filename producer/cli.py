@@ -14,6 +14,7 @@ from workers import generate as generate_cli
 from workers.bench import engine_cli as engine_bench
 from workers.bench import quality as quality_bench
 from workers.bench.faults import cli as faults_bench
+from workers.bench.serve import cli as serve_bench
 from workers.toy import cli as toy_cli
 
 app = typer.Typer(
@@ -36,6 +37,7 @@ app.command("train-toy")(toy_cli.train_toy)
 bench_app.command("engine")(engine_bench.bench_engine)
 bench_app.command("quality")(quality_bench.bench_quality)
 bench_app.command("faults")(faults_bench.bench_faults)
+bench_app.command("serve")(serve_bench.bench_serve)
 app.add_typer(bench_app, name="bench")
 
 

@@ -289,13 +289,23 @@ class DonorInfo(_Wire):
 
 
 class PhaseTimings(_Wire):
-    """Seconds spent in each phase of one request."""
+    """Seconds spent in each phase of one request.
+
+    ``prepare_s``: from the worker's task starting to the order's own work (the redelivery checks, the order
+    parsed, the model looked up); ``worker_s``: from the task starting to the result assembled, so what no phase
+    names is ``worker_s`` minus the others (publishing the result comes after and is not in it).
+    """
+
+    # Like GenerationResult: a reader ignores a timing it does not know yet (a newer worker may send one).
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     queue_s: float = Field(default=0.0, ge=0.0)
     fetch_s: float = Field(default=0.0, ge=0.0)
     denoise_s: float = Field(default=0.0, ge=0.0)
     decode_s: float = Field(default=0.0, ge=0.0)
     upload_s: float = Field(default=0.0, ge=0.0)
+    prepare_s: float = Field(default=0.0, ge=0.0)
+    worker_s: float = Field(default=0.0, ge=0.0)
 
 
 class GenerationResult(_Wire):

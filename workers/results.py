@@ -42,9 +42,12 @@ class ResultNotPublished(RuntimeError):
 class PhaseClock:
     """Seconds per phase of one request; ``with clock.phase("fetch"): …`` adds to that phase."""
 
-    PHASES = ("fetch", "denoise", "decode", "upload")
+    PHASES = ("prepare", "fetch", "denoise", "decode", "upload")
 
-    def __init__(self) -> None:
+    def __init__(self, started: float | None = None) -> None:
+        # ``started``: the ``time.perf_counter()`` at which the worker took the order (the task's start), so the
+        # clock can say how long the worker spent on it in all (``worker_s``).
+        self.started = time.perf_counter() if started is None else started
         self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
 
     @contextmanager
@@ -75,6 +78,8 @@ class PhaseClock:
             denoise_s=self.seconds["denoise"],
             decode_s=self.seconds["decode"],
             upload_s=self.seconds["upload"],
+            prepare_s=self.seconds["prepare"],
+            worker_s=max(0.0, time.perf_counter() - self.started),
         )
 
 

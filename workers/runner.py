@@ -22,16 +22,18 @@ from dataclasses import dataclass
 from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
+from producer.catalog import CATALOG
 from producer.contract import GenerationResult
 from producer.orders import Role, WorkOrder, trajectory_prefix, video_key
 from producer.readiness import ReadinessEvent
 from workers import metrics as worker_metrics
 from workers import video
 from workers.donors import S3DonorSource, TrajectoryUploader
+from workers.engine.bundle import ModelBundle
 from workers.engine.engine import Engine, GenerationOutput
 from workers.engine.errors import ModelUnavailable
 from workers.engine.fallback import FallbackCause
-from workers.engine.registry import load_bundle
+from workers.engine.registry import MID_CONFIG, build_random_wan_bundle, load_bundle
 from workers.engine.request_run import PrefetchedDonor, donor_steps, prefetch_donor
 from workers.engine.trajectory import StepRecord
 from workers.failures import FailureCode
@@ -67,18 +69,19 @@ _MODELS_LOCK = threading.Lock()
 
 def engine_for(model: str, settings: WorkerSettings) -> LoadedModel:
     """The process' engine for ``model`` on the configured device/dtype, loading it on first use."""
-    key = (model, settings.device, settings.dtype, str(settings.wan21_dir), str(settings.toy_weights_dir))
+    key = (
+        model,
+        settings.device,
+        settings.dtype,
+        str(settings.wan21_dir),
+        str(settings.toy_weights_dir),
+        settings.random_wan_width,
+    )
     with _MODELS_LOCK:
         loaded = _MODELS.get(key)
         if loaded is None:
             start = time.perf_counter()
-            bundle = load_bundle(
-                model,
-                device=settings.device,
-                dtype=settings.dtype,
-                wan21_dir=settings.wan21_dir,
-                toy_weights_dir=settings.toy_weights_dir,
-            )
+            bundle = _load(model, settings)
             loaded = LoadedModel(Engine(bundle), time.perf_counter() - start, threading.Lock())
             _MODELS[key] = loaded
             worker_metrics.model_loaded(model, loaded.load_s)
@@ -93,6 +96,25 @@ def engine_for(model: str, settings: WorkerSettings) -> LoadedModel:
                 },
             )
     return loaded
+
+
+def _load(model: str, settings: WorkerSettings) -> ModelBundle:
+    if model == "tiny-random-wan" and settings.random_wan_width == "wan-width":
+        # The catalog name keeps the request contract (shapes, scheduler); only the weights behind it differ.
+        return build_random_wan_bundle(
+            MID_CONFIG,
+            spec=CATALOG[model],
+            device=settings.device,
+            dtype=settings.dtype,
+            name="mid-random-wan",
+        )
+    return load_bundle(
+        model,
+        device=settings.device,
+        dtype=settings.dtype,
+        wan21_dir=settings.wan21_dir,
+        toy_weights_dir=settings.toy_weights_dir,
+    )
 
 
 def loaded_models() -> list[str]:
@@ -127,8 +149,11 @@ class Runner:
         worker: str | None = None,
         attempt: int = 1,
         progress: Progress | None = None,
+        started: float | None = None,
     ) -> GenerationResult:
-        """Run one order and publish its result (raises ``ResultNotPublished`` only if Kafka refuses it)."""
+        """Run one order and publish its result (raises ``ResultNotPublished`` only if Kafka refuses it).
+
+        ``started``: the ``time.perf_counter()`` at which the task began (its checks count as ``prepare_s``)."""
         try:
             order = WorkOrder.model_validate_json(order_json)
         except ValidationError as exc:
@@ -154,15 +179,15 @@ class Runner:
                 request_id, FailureCode.TOO_MANY_ATTEMPTS, message, order=order, worker=worker
             )
         else:
-            result = self._run_safely(order, worker, progress)
+            result = self._run_safely(order, worker, progress, started)
         self.publisher.publish(result)
         worker_metrics.observe_result(result, order)
         return result
 
     def _run_safely(
-        self, order: WorkOrder, worker: str | None, progress: Progress | None
+        self, order: WorkOrder, worker: str | None, progress: Progress | None, started: float | None = None
     ) -> GenerationResult:
-        clock = PhaseClock()
+        clock = PhaseClock(started)
         queue_s = queue_seconds(order.accepted_at)
         request_id = order.request.request_id
         code: FailureCode
@@ -201,6 +226,7 @@ class Runner:
         loaded = engine_for(
             request.model, self.settings
         )  # first: a model that cannot load fails before any read
+        clock.add("prepare", time.perf_counter() - clock.started)
         source, given = self._donor_sources(order, clock)
         plan = order.plan
         log.info(

@@ -37,6 +37,11 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     # Overrides the committed toy weights (a directory with config.json and model.safetensors).
     toy_weights_dir: Path | None = None
     video_format: Literal["mp4", "gif"] = "mp4"
+    # Which random weights stand behind ``tiny-random-wan``: its own tiny config, or ``wan-width`` (Wan2.1-1.3B
+    # width, 2 blocks: ``workers.engine.registry.MID_CONFIG``), so a benchmark's steps cost what a real model's
+    # do relative to the worker's other work (``chorus bench serve --model mid``). A benchmark knob: every worker
+    # of a deployment must agree, and trajectories of the two are incompatible (their weights ids differ).
+    random_wan_width: Literal["tiny", "wan-width"] = "tiny"
 
     # --- Celery worker -------------------------------------------------------------------------------
     # Models whose queues this worker consumes (comma-separated in CHORUS_WORKER_MODELS); empty: every model

@@ -64,6 +64,7 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
     """Run one ``WorkOrder``; publishes its ``GenerationResult`` and returns a short summary."""
     from workers.runner import runner_for
 
+    started = time.perf_counter()  # the checks below are the order's "prepare" phase
     settings = settings_of(self.app)
     if was_answered(self):
         # A second copy of an order that already has its result: the broker requeued it after its pool process
@@ -91,7 +92,7 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
 
     with busy(), _heartbeat(beat, settings.worker_heartbeat_s):
         result = runner_for(settings).handle(
-            order_json, worker=self.request.hostname, attempt=attempt, progress=progress
+            order_json, worker=self.request.hostname, attempt=attempt, progress=progress, started=started
         )
     mark_answered(self)
     return {

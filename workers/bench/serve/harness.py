@@ -1,0 +1,272 @@
+"""``chorus bench serve``: one embedded stack, each model's trace replayed with reuse and then with ``reuse: off``.
+
+The stack is the one ``chorus demo`` and ``chorus bench faults`` run (``producer.local.stack.EmbeddedStack``:
+Kafka-protocol broker, scheduler with Qdrant local mode, Celery worker processes, the S3 stand-in), started once
+on a fresh state directory; one worker process serves every model benchmarked, so both passes of a model run on
+the same worker, in the same run. Per model:
+
+1. warm-up requests (not counted: a model's first passes are slower), reuse off, prompts outside the trace;
+2. the trace with ``reuse: auto`` — its donors are only its own earlier requests (fresh index);
+3. the same trace (prompts, seeds, arrival times) with ``reuse: off`` — after the reuse pass, so its results can
+   give the reuse pass nothing.
+
+The scheduler's time per request comes from its own histogram ``chorus_scheduler_phase_duration_seconds``
+(embed per poll, search and plan per request, dispatch per order), read before and after each pass. For the toy
+model every video is read back from the object store and judged by ``workers.toy.checker`` against the
+attributes its prompt asks for.
+
+Models (``MODELS``): ``toy`` (the committed toy model, whatever weights ``workers/toy/weights`` holds) and ``mid``
+(the catalog's ``tiny-random-wan`` with the Wan2.1-1.3B-width random weights, ``CHORUS_RANDOM_WAN_WIDTH=wan-width``,
+at 4 frames of 64×64: 64 video tokens against 512 text tokens, CFG 5).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer.contract import ResultStatus
+from producer.local.config import StackOptions
+from producer.local.stack import EmbeddedStack
+from producer.sdk import ChorusClient, ResultWatcher
+from workers.bench.serve import report, trace
+from workers.bench.serve.replay import Observation, Shape, replay, requests_for
+from workers.bench.serve.trace import TraceSpec
+
+FORMAT = "chorus-bench-serve/1"
+SCHED_METRIC = "chorus_scheduler_phase_duration_seconds"
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    name: str
+    shape: Shape
+    requests: int  # trace length (full size)
+    quick_requests: int
+    judge: bool  # read every video back and check it (toy)
+
+
+MODELS: dict[str, ModelRun] = {
+    "toy": ModelRun("toy", Shape("toy", 4), requests=120, quick_requests=48, judge=True),
+    "mid": ModelRun(
+        "mid",
+        Shape("tiny-random-wan", 4, num_frames=4, height=64, width=64, guidance_scale=5.0),
+        requests=60,
+        quick_requests=24,
+        judge=False,
+    ),
+}
+WARMUPS = 2
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    models: tuple[str, ...] = ("toy", "mid")
+    kind: trace.TraceKind = trace.TraceKind.MIXED
+    requests: int | None = None  # None: the model's size (quick or full)
+    seed: int = 0
+    rate: float | None = None
+    num_steps: int | None = None  # None: each model's (4)
+    quick: bool = False
+    timeout_s: float = 900.0
+    state_dir: Path | None = None
+
+
+def run_serve(
+    options: ServeOptions, say: Say, progress: Callable[[str, int], Callable[[], None]]
+) -> dict[str, Any]:
+    """Run the benchmark; returns the report. ``progress(label, total)`` gives a function to call per result."""
+    unknown = [m for m in options.models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
+    runs = [MODELS[m] for m in options.models]
+    root = options.state_dir or Path(tempfile.mkdtemp(prefix="chorus-serve-"))
+    env = {"CHORUS_RANDOM_WAN_WIDTH": "wan-width"} if "mid" in options.models else {}
+    stack_options = StackOptions(
+        state_dir=root / "stack",
+        models=sorted({r.shape.model for r in runs}),
+        persist_s3=False,
+        extra_env=env,
+        ready_timeout_s=300,
+        stop_timeout_s=30,
+    )
+    started, started_at = time.monotonic(), datetime.now(UTC)
+    load_before = os.getloadavg()
+    say(f"starting the embedded stack in {stack_options.state_dir}")
+    entries: list[dict[str, Any]] = []
+    with EmbeddedStack(stack_options) as stack:
+        stack_s = time.monotonic() - started
+        with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
+            for run in runs:
+                entries.append(_run_model(stack, client, watcher, run, options, say, progress))
+    ok = bool(entries) and all(e["ok"] for e in entries)
+    if options.state_dir is None and ok:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "format": FORMAT,
+        "started_at": started_at.isoformat(),
+        "wall_s": round(time.monotonic() - started, 1),
+        "stack_start_s": round(stack_s, 1),
+        "quick": options.quick,
+        "ok": ok,
+        "machine": {
+            "cores": os.cpu_count(),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "stack": {"workers": 1, "worker_concurrency": 1, "schedulers": 1, "video_format": "mp4"},
+        "state_dir": None if options.state_dir is None and ok else str(root),
+        "models": entries,
+    }
+
+
+def _run_model(
+    stack: EmbeddedStack,
+    client: ChorusClient,
+    watcher: ResultWatcher,
+    run: ModelRun,
+    options: ServeOptions,
+    say: Say,
+    progress: Callable[[str, int], Callable[[], None]],
+) -> dict[str, Any]:
+    size = options.requests or (run.quick_requests if options.quick else run.requests)
+    spec = TraceSpec(kind=options.kind, requests=size, seed=options.seed, rate=options.rate)
+    items = trace.generate(spec)
+    shape = replace(run.shape, num_steps=options.num_steps) if options.num_steps else run.shape
+    tag = f"sv{secrets.token_hex(3)}-{run.name}"
+    say(f"[bold]▶ {run.name}[/]: {size} requests, {spec.kind} trace, {shape.num_steps} steps")
+    _warm_up(client, watcher, shape, tag, options.timeout_s)
+    passes: dict[str, dict[str, Any]] = {}
+    observed: dict[str, list[Observation]] = {}
+    for reuse in ("auto", "off"):
+        before = _scheduler_phases(stack)
+        requests = requests_for(items, shape, prefix=f"{tag}-{reuse}-", reuse=reuse)
+        tick = progress(f"{run.name} reuse {reuse}", len(requests))
+        obs, start = replay(
+            client,
+            watcher,
+            items,
+            requests,
+            timeout_s=options.timeout_s,
+            on_result=_ignore_arg(tick),
+            check=stack.check,
+        )
+        stack.wait_idle(timeout_s=60)
+        summary = report.summarize(obs, start)
+        summary["scheduler"] = _scheduler_delta(before, _scheduler_phases(stack), len(requests))
+        if run.judge:
+            summary["quality"] = _judge(stack, obs)
+        passes["reuse" if reuse == "auto" else "no_reuse"] = summary
+        observed[reuse] = obs
+        say(_line(run.name, reuse, summary))
+    ok = all(p["status"].get(str(ResultStatus.DONE), 0) == p["requests"] for p in passes.values())
+    return {
+        "model": run.name,
+        "catalog_model": shape.model,
+        "shape": shape.fields(),
+        "ok": ok,
+        "trace": spec.describe() | {"variants": trace.variant_counts(items)},
+        "reuse": passes["reuse"],
+        "no_reuse": passes["no_reuse"],
+        "compare": report.compare(passes["reuse"], passes["no_reuse"]),
+        "latencies_s": {k: [round(o.latency_s, 4) for o in v] for k, v in observed.items()},
+        "by_variant": _by_variant(observed["auto"]),
+    }
+
+
+def _ignore_arg(tick: Callable[[], None]) -> Callable[[Observation], None]:
+    return lambda _: tick()
+
+
+def _warm_up(client: ChorusClient, watcher: ResultWatcher, shape: Shape, tag: str, timeout_s: float) -> None:
+    spec = TraceSpec(kind=trace.TraceKind.FRESH, requests=WARMUPS, seed=987_654)
+    items = trace.generate(spec)
+    requests = requests_for(items, shape, prefix=f"{tag}-warm-", reuse="off")
+    replay(client, watcher, items, requests, timeout_s=timeout_s)
+
+
+def _by_variant(observations: Sequence[Observation]) -> dict[str, dict[str, Any]]:
+    """Per variant of the reuse pass: how many, how many hit, mean steps computed and latency."""
+    out: dict[str, dict[str, Any]] = {}
+    for variant in trace.Variant:
+        group = [o for o in observations if o.item.variant is variant]
+        if not group:
+            continue
+        out[str(variant)] = {
+            "requests": len(group),
+            "hits": sum(report.is_hit(o.result) for o in group),
+            "reuse": sorted({str(o.result.reuse) for o in group}),
+            "steps_computed_mean": round(sum(o.result.steps_computed for o in group) / len(group), 2),
+            "latency_p50_s": round(report.percentile([o.latency_s for o in group], 50), 4),
+        }
+    return out
+
+
+def _scheduler_phases(stack: EmbeddedStack) -> dict[str, tuple[float, float]]:
+    """(sum of seconds, count) per phase of the scheduler's phase histogram, summed over its instances."""
+    totals: dict[str, list[float]] = {}
+    for process in stack.schedulers:
+        with urllib.request.urlopen(process.metrics_url, timeout=5) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name != SCHED_METRIC:
+                continue
+            for sample in family.samples:
+                phase = sample.labels.get("phase", "")
+                slot = totals.setdefault(phase, [0.0, 0.0])
+                if sample.name.endswith("_sum"):
+                    slot[0] += sample.value
+                elif sample.name.endswith("_count"):
+                    slot[1] += sample.value
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def _scheduler_delta(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], requests: int
+) -> dict[str, Any]:
+    per_phase = {
+        phase: round((after[phase][0] - before.get(phase, (0.0, 0.0))[0]) / requests * 1000, 3)
+        for phase in after
+    }
+    return {"ms_per_request": per_phase, "total_ms_per_request": round(sum(per_phase.values()), 3)}
+
+
+def _judge(stack: EmbeddedStack, observations: Sequence[Observation]) -> dict[str, Any]:
+    """Read each video back and check it with the toy checker: accuracy per attribute and ``all``."""
+    from workers.toy import checker, world
+    from workers.video import read_video
+
+    store = stack.object_store()
+    marks: list[dict[str, bool]] = []
+    with tempfile.TemporaryDirectory(prefix="chorus-serve-judge-") as tmp:
+        for obs in observations:
+            uri = obs.result.video_uri
+            if obs.result.status is not ResultStatus.DONE or uri is None:
+                continue
+            path = Path(tmp) / f"clip{Path(uri).suffix or '.mp4'}"
+            path.write_bytes(store.get(store.key_of(uri)))
+            expected = world.Attributes(**dict(obs.item.attributes))
+            marks.append(checker.compare(checker.read_clip(read_video(path)), expected))
+    return {"judged": len(marks), "accuracy": {k: round(v, 4) for k, v in checker.accuracy(marks).items()}}
+
+
+def _line(model: str, reuse: str, s: dict[str, Any]) -> str:
+    quality = s.get("quality", {}).get("accuracy", {}).get("all")
+    q = f", all-attribute accuracy {quality:.3f}" if quality is not None else ""
+    lat = s["latency_s"]
+    return (
+        f"  {model} reuse {reuse}: {s['throughput_rps']} req/s, p50 {lat['p50']:.2f} s, p99 {lat['p99']:.2f} s, "
+        f"{s['hits']} hits, {s['steps_computed']}/{s['steps_requested']} steps{q}"
+    )

@@ -1,0 +1,120 @@
+"""Figures of one replay (``summarize``) and of a reuse/no-reuse pair (``compare``).
+
+Per replay: requests and their outcome, hit kinds (``GenerationResult.reuse``; a *hit* is a result that saved
+compute, ``saved_compute``, or an exact hit), steps and token-steps computed (token-steps in units of full
+steps: a request's ``tokens_computed_fraction`` × its steps), throughput (requests over the makespan, from the
+first request sent to the last result read), latency percentiles (sent → result read), and the worker's seconds
+per request by phase for the requests a worker ran (exact hits have none):
+
+- ``queue``: scheduler accepted → worker started (waiting behind other orders, the broker hop);
+- ``prepare``: the task's redelivery checks, order parsing, model lookup;
+- ``fetch``, ``denoise``, ``decode`` (the engine's decode and the video encoding), ``upload`` (video and
+  trajectory): the worker's own phases (``workers.results.PhaseClock``);
+- ``other``: the rest of the worker's time on the order (``worker_s`` minus the phases above);
+- ``publish``: result assembled → read by the benchmark (Kafka produce, the watcher's poll).
+
+``outside_engine_s`` is everything but ``denoise`` and ``queue``; ``outside_engine_ratio`` divides it by
+``denoise``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from producer.contract import GenerationResult, ResultStatus, ReuseKind
+from workers.bench.serve.replay import Observation
+
+PHASES = ("queue", "prepare", "fetch", "denoise", "decode", "upload", "other", "publish")
+OUTSIDE = ("prepare", "fetch", "decode", "upload", "other", "publish")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear between closest ranks; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def is_hit(result: GenerationResult) -> bool:
+    return result.status is ResultStatus.DONE and (result.reuse is ReuseKind.EXACT or result.saved_compute)
+
+
+def phases_of(obs: Observation) -> dict[str, float]:
+    t = obs.result.timings
+    named = {
+        "queue": t.queue_s,
+        "prepare": t.prepare_s,
+        "fetch": t.fetch_s,
+        "denoise": t.denoise_s,
+        "decode": t.decode_s,
+        "upload": t.upload_s,
+    }
+    inside = sum(v for k, v in named.items() if k != "queue")
+    named["other"] = max(0.0, t.worker_s - inside) if t.worker_s else 0.0
+    named["publish"] = obs.delivery_s
+    return named
+
+
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def summarize(observations: Sequence[Observation], start: float) -> dict[str, Any]:
+    results = [o.result for o in observations]
+    done = [r for r in results if r.status is ResultStatus.DONE]
+    makespan = max(o.received for o in observations) - start if observations else float("nan")
+    latencies = [o.latency_s for o in observations]
+    worked = [
+        o for o in observations if o.result.reuse is not ReuseKind.EXACT and o.result.timings.worker_s > 0
+    ]
+    phases = {p: round(_mean([phases_of(o)[p] for o in worked]), 4) for p in PHASES}
+    outside = sum(phases[p] for p in OUTSIDE) if worked else float("nan")
+    steps_requested = sum(r.steps_requested for r in done)
+    return {
+        "requests": len(observations),
+        "status": {str(s): sum(r.status is s for r in results) for s in ResultStatus},
+        "reuse": {str(k): sum(r.reuse is k for r in done) for k in ReuseKind},
+        "hits": sum(is_hit(r) for r in results),
+        "fallbacks": sum(r.fallback is not None for r in done),
+        "steps_requested": steps_requested,
+        "steps_computed": sum(r.steps_computed for r in done),
+        "token_steps_computed": round(sum(r.tokens_computed_fraction * r.steps_requested for r in done), 2),
+        "token_steps_fraction": round(
+            sum(r.tokens_computed_fraction * r.steps_requested for r in done) / steps_requested, 4
+        )
+        if steps_requested
+        else None,
+        "makespan_s": round(makespan, 3),
+        "throughput_rps": round(len(observations) / makespan, 4) if makespan > 0 else None,
+        "latency_s": {
+            "mean": round(_mean(latencies), 4),
+            **{f"p{q}": round(percentile(latencies, q), 4) for q in (50, 95, 99)},
+            "max": round(max(latencies, default=float("nan")), 4),
+        },
+        "worker_requests": len(worked),
+        "worker_phase_s": phases,
+        "outside_engine_s": round(outside, 4),
+        "outside_engine_ratio": round(outside / phases["denoise"], 3)
+        if worked and phases["denoise"] > 0
+        else None,
+    }
+
+
+def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """Reuse against no reuse: throughput ratio (> 1: reuse serves more per second) and latency ratios
+    (< 1: reuse is faster)."""
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    return {
+        "throughput_ratio": ratio(on["throughput_rps"], off["throughput_rps"]),
+        "latency_ratio": {q: ratio(on["latency_s"][q], off["latency_s"][q]) for q in ("p50", "p95", "p99")},
+        "token_steps_ratio": ratio(on["token_steps_computed"], off["token_steps_computed"]),
+    }
