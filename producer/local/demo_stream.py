@@ -26,16 +26,14 @@ KIND_HELP = {
     "new-seed": "the base prompt with another seed",
     "paraphrase": "the base prompt with other function words",
     "terse": "the base prompt without function words",
-    "attribute": "one element's color changed (left or right): a local change",
+    "attribute": "one attribute changed (direction or background)",
 }
 
 # Used when the toy world's vocabulary cannot be imported.
 _FALLBACK_VOCABULARY: dict[str, tuple[str, ...]] = {
-    "left_color": ("red", "green", "blue", "yellow", "purple", "cyan"),
-    "left_shape": ("circle", "square", "triangle"),
-    "right_color": ("red", "green", "blue", "yellow", "purple", "cyan"),
-    "right_shape": ("circle", "square", "triangle"),
-    "direction": ("up", "down"),
+    "color": ("red", "green", "blue", "yellow", "purple", "cyan"),
+    "shape": ("circle", "square", "triangle"),
+    "direction": ("left", "right", "up", "down"),
     "background": ("black", "white", "gray", "brown"),
 }
 
@@ -60,21 +58,22 @@ def vocabulary() -> dict[str, tuple[str, ...]]:
     except Exception:
         return dict(_FALLBACK_VOCABULARY)
     try:
-        return dict(world.ATTRIBUTE_VALUES)
+        return {
+            "color": tuple(world.FG_COLORS),
+            "shape": tuple(world.SHAPES),
+            "direction": tuple(world.DIRECTIONS),
+            "background": tuple(world.BG_COLORS),
+        }
     except AttributeError:
         return dict(_FALLBACK_VOCABULARY)
 
 
 def _prompt(kind: Kind, a: dict[str, str]) -> str:
-    left, right = f"{a['left_color']} {a['left_shape']}", f"{a['right_color']} {a['right_shape']}"
     if kind == "paraphrase":
-        return (
-            f"the {left} is on the left and the {right} on the right, moving {a['direction']} "
-            f"over a {a['background']} background"
-        )
+        return f"the {a['color']} {a['shape']} moving {a['direction']} over a {a['background']} background"
     if kind == "terse":
-        return f"{left} left, {right} right, moving {a['direction']}, {a['background']} background"
-    return f"a {left} on the left and a {right} on the right, moving {a['direction']} on a {a['background']} background"
+        return f"{a['color']} {a['shape']} moving {a['direction']}, {a['background']} background"
+    return f"a {a['color']} {a['shape']} moving {a['direction']} on a {a['background']} background"
 
 
 def build_stream(families: int, per_family: int, *, seed: int, run_id: str) -> list[DemoItem]:
@@ -103,8 +102,8 @@ def build_stream(families: int, per_family: int, *, seed: int, run_id: str) -> l
             base_seed = seed * 1000 + f * 10
             prompt_attrs = dict(attrs)
             if kind == "attribute":
-                # A local change: one element's color, alternating sides across families.
-                changed = "left_color" if f % 2 == 0 else "right_color"
+                # Alternate between a new direction and a new background across families.
+                changed = "direction" if f % 2 == 0 else "background"
                 options = [v for v in vocab[changed] if v != attrs[changed]]
                 prompt_attrs[changed] = options[(seed + f) % len(options)]
             items.append(

@@ -4,16 +4,15 @@ Targets are held-out captions (``world.EVAL_TEMPLATES``) whose attribute values 
 more noise seeds. Every target gets one donor per *pair class*:
 
 - ``same-prompt``: the very same caption, another noise seed;
-- ``one-attribute``: the same template and word choices with one attribute (cycling over the world's attributes:
-  left color, left shape, right color, right shape, direction, background) set to another value;
+- ``one-attribute``: the same template and word choices with one attribute (cycling color, shape, direction,
+  background over the targets) set to another value;
 - ``two-attributes``: the same with two attributes changed;
 - ``paraphrase``: the same attributes in another held-out template with re-drawn synonyms (a different caption);
 - ``reworded-one-attribute``: another template *and* one attribute changed — the case a loose paraphrase rule
   must not admit; it is measured so that the planner's paraphrase row is calibrated on what it would really see.
 
 *Negative* pairs (``make_negative_pairs``, ``NEGATIVE_CLASSES``) are the changes no class measures: three or four
-attributes in the same words, two to four in another template, or the two elements' colors swapped (the same words
-in another order — the binding error embedding similarity cannot see). They are only embedded, never generated: the
+attributes in the same words, or two to four in another template. They are only embedded, never generated: the
 calibration keeps every reusing row's admission rule above them (``calibrate.bound_rows``).
 
 Donors always use another noise seed than their target (``DONOR_SEED_OFFSET``), as another user's request would.
@@ -54,9 +53,15 @@ _NEGATIVES: tuple[tuple[str, int, bool], ...] = (
     ("reworded-three-attributes", 3, True),
     ("reworded-four-attributes", 4, True),
 )
-NEGATIVE_CLASSES: tuple[str, ...] = ("swapped-colors", *(name for name, _, _ in _NEGATIVES))
+NEGATIVE_CLASSES: tuple[str, ...] = tuple(name for name, _, _ in _NEGATIVES)
 
-_ATTR_VALUES = world.ATTRIBUTE_VALUES
+_ATTR_VALUES: dict[str, tuple[str, ...]] = {
+    "color": tuple(world.FG_COLORS),
+    "shape": world.SHAPES,
+    "direction": world.DIRECTIONS,
+    "background": tuple(world.BG_COLORS),
+}
+_FIELD_OF = {"color": "color", "shape": "shape", "direction": "dir", "background": "bg"}
 
 
 @dataclass(frozen=True)
@@ -107,8 +112,28 @@ def _word(rng: np.random.Generator, options: Sequence[str]) -> str:
     return str(rng.choice(list(options)))
 
 
+def _draw_fields(attributes: Attributes, rng: np.random.Generator) -> dict[str, str]:
+    return {
+        "color": _word(rng, world.COLOR_WORDS[attributes.color]),
+        "shape": _word(rng, world.SHAPE_WORDS[attributes.shape]),
+        "dir": _word(rng, world.DIRECTION_WORDS[attributes.direction]),
+        "bg": _word(rng, world.COLOR_WORDS[attributes.background]),
+        "ving": _word(rng, world.VERBS_ING),
+        "v3": _word(rng, world.VERBS_3RD),
+        "backdrop": _word(rng, world.BACKDROP_WORDS),
+    }
+
+
+def _attribute_word(attribute: str, value: str, rng: np.random.Generator) -> str:
+    if attribute in ("color", "background"):
+        return _word(rng, world.COLOR_WORDS[value])
+    if attribute == "shape":
+        return _word(rng, world.SHAPE_WORDS[value])
+    return _word(rng, world.DIRECTION_WORDS[value])
+
+
 def make_caption(template: str, attributes: Attributes, rng: np.random.Generator) -> Caption:
-    fields = world.draw_fields(attributes, rng)
+    fields = _draw_fields(attributes, rng)
     return Caption(template, tuple(sorted(fields.items())), attributes)
 
 
@@ -121,7 +146,7 @@ def change_attributes(
     for name in attributes:
         new = _word(rng, [v for v in _ATTR_VALUES[name] if v != values[name]])
         values[name] = new
-        fields[name] = world.attribute_word(name, new, rng)
+        fields[_FIELD_OF[name]] = _attribute_word(name, new, rng)
     changed = Attributes(**values)
     return Caption(caption.template, tuple(sorted(fields.items())), changed), tuple(attributes)
 
@@ -138,6 +163,14 @@ def reword(caption: Caption, rng: np.random.Generator, attributes: Attributes | 
     raise RuntimeError("could not reword the caption")  # pragma: no cover - 4 other templates always differ
 
 
+def _balanced(values: Sequence[str], n: int, rng: np.random.Generator) -> list[str]:
+    """``n`` values as consecutive random permutations of ``values``: in every prefix, counts differ by ≤ 1."""
+    out: list[str] = []
+    while len(out) < n:
+        out.extend(str(values[int(i)]) for i in rng.permutation(len(values)))
+    return out[:n]
+
+
 def eval_targets(
     n_prompts: int, n_seeds: int = 1, *, set_seed: int = EVAL_SET_SEED, seed_base: int = EVAL_SEED_BASE
 ) -> list[Target]:
@@ -148,8 +181,10 @@ def eval_targets(
     if n_prompts < 1 or n_seeds < 1:
         raise ValueError("need at least one prompt and one seed")
     rng = np.random.default_rng(set_seed)
+    columns = {name: _balanced(values, n_prompts, rng) for name, values in _ATTR_VALUES.items()}
     targets: list[Target] = []
-    for p, attributes in enumerate(world.balanced_attributes(n_prompts, rng)):
+    for p in range(n_prompts):
+        attributes = Attributes(**{name: col[p] for name, col in columns.items()})
         caption = make_caption(_word(rng, world.EVAL_TEMPLATES), attributes, rng)
         for s in range(n_seeds):
             index = p * n_seeds + s
@@ -190,25 +225,11 @@ def make_pairs(
     return pairs
 
 
-def swap_colors(caption: Caption) -> tuple[Caption, tuple[str, ...]]:
-    """The caption with the two elements' color words exchanged (same template, same words otherwise)."""
-    a = caption.attributes
-    fields = dict(caption.fields)
-    fields["left_color"], fields["right_color"] = fields["right_color"], fields["left_color"]
-    swapped = a.replace(left_color=a.right_color, right_color=a.left_color)
-    changed = ("left_color", "right_color") if a.left_color != a.right_color else ()
-    return Caption(caption.template, tuple(sorted(fields.items())), swapped), changed
-
-
 def make_negative_pairs(targets: Sequence[Target], *, seed: int = 0) -> list[Pair]:
-    """One donor per target and negative class (the attributes changed rotate over the targets; a color swap
-    is made only where the two colors differ). Deterministic in (targets, seed)."""
+    """One donor per target and negative class (the attributes changed rotate over the targets).
+    Deterministic in (targets, seed)."""
     names = list(_ATTR_VALUES)
     pairs: list[Pair] = []
-    for t in targets:
-        swapped, changed = swap_colors(t.caption)
-        if changed:
-            pairs.append(Pair("swapped-colors", t, swapped, t.seed + DONOR_SEED_OFFSET, changed))
     for number, (cls, count, reworded) in enumerate(_NEGATIVES):
         rng = np.random.default_rng([seed, len(PAIR_CLASSES) + number])
         for t in targets:

@@ -24,8 +24,8 @@ JSON report (stdout with ``--json``, and ``--out``)::
     rows              one object per measured row:
                         id ("<method>[/<class>]@<N>"), method (no-reuse | cachedit | chorus | chorus-alpha1 | probe |
                         chorus+cachedit), steps, pair_class (null, a class, or "all" for the pooled reuse-heavy set),
-                        description, n, accuracy {<each toy-world attribute>, all} ("all": every judged
-                        attribute right, see settings.judge — all of them unless --judge), all_correct_ci95,
+                        description, n, accuracy {color, shape, direction, background, all} ("all": every
+                        judged attribute right, see settings.judge — all four unless --judge), all_correct_ci95,
                         steps_computed_mean, tokens_computed_fraction_mean, block_compute_fraction_mean,
                         reused_fraction, fallbacks, seconds_mean; against the no-reuse clips of the same targets:
                         no_reuse_all, delta_all_vs_no_reuse, lost, gained; cache-dit rows: cachedit {cache_passes_mean,
@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from workers.cli_options import aliased, split_list
-from workers.toy.world import ATTRIBUTE_NAMES
 
 if TYPE_CHECKING:
     from workers.bench.cachedit import CacheDiTSettings
@@ -195,7 +194,7 @@ def bench_quality(
     out_dir: Path = typer.Option(Path("out/bench-quality"), help="Where contact sheets are written."),
     sheet_prompts: int = typer.Option(4, min=0, help="Prompts on each contact sheet."),
     judge: list[str] = typer.Option(
-        list(ATTRIBUTE_NAMES),
+        ["color", "shape", "direction", "background"],
         help="Attributes that must all be right for a clip to count as correct ('all' in the report, the "
         "calibration's acceptance). Narrow it only for a model that has not learned the others. "
         + _LIST_HELP,
@@ -307,6 +306,7 @@ def _parse(args: QualityArgs) -> _Parsed:
     from workers.bench.cachedit import CacheDiTSettings
     from workers.bench.pairs import PAIR_CLASSES
     from workers.toy.model import WEIGHTS_DIR, WEIGHTS_FILE
+    from workers.toy.world import ATTRIBUTE_NAMES
 
     step_list = _ints(args.steps, "--num-steps")
     row_list = _names(args.rows, suite.ROW_KINDS, "--rows")
@@ -421,8 +421,20 @@ def _print_table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"chorus bench quality ({report['model'].get('weights_id', '')[:12]})")
-    short = {name: "".join(part[0] for part in name.split("_")) for name in ATTRIBUTE_NAMES}
-    for col in ("row", "n", "all", "Δ vs none", *short.values(), "steps", "tokens", "compute", "reused"):
+    for col in (
+        "row",
+        "n",
+        "all",
+        "Δ vs none",
+        "color",
+        "shape",
+        "dir",
+        "bg",
+        "steps",
+        "tokens",
+        "compute",
+        "reused",
+    ):
         table.add_column(col)
     for r in report.get("rows", []):
         acc = r["accuracy"]
@@ -432,7 +444,10 @@ def _print_table(report: dict[str, Any]) -> None:
             str(r["n"]),
             f"{acc['all']:.3f}",
             "" if delta is None else f"{delta:+.3f}",
-            *(f"{acc[name]:.2f}" for name in ATTRIBUTE_NAMES),
+            f"{acc['color']:.2f}",
+            f"{acc['shape']:.2f}",
+            f"{acc['direction']:.2f}",
+            f"{acc['background']:.2f}",
             f"{r['steps_computed_mean']:.2f}",
             f"{r['tokens_computed_fraction_mean']:.3f}",
             f"{r['block_compute_fraction_mean']:.3f}",

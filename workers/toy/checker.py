@@ -2,15 +2,14 @@
 
 Deterministic and model-agnostic: it sees only a uint8 ``(F, H, W, 3)`` array.
 
-1. Background: the per-channel median of all pixels (the two elements cover under a fifth of the frame), snapped
-   to the nearest background palette color.
-2. Each element is read from its own half of the frame (left: ``x < SPLIT_X``; right: the rest):
-   a. color: every pixel of the half votes for its nearest color among the background color and the foreground
-      palette; the foreground color with the most votes wins;
-   b. mask: a pixel is foreground when it is closer to that color than to the background;
-   c. shape: per frame, the best intersection-over-union of the mask with each shape's ideal mask over a window of
-      centers and sizes around the mask's centroid; the shape with the highest mean over frames wins.
-3. Direction: a least-squares line through the per-frame centroid rows of both elements' masks; its sign.
+1. Background: the per-channel median of all pixels (the shape covers under a quarter of the frame), snapped to
+   the nearest background palette color.
+2. Foreground color: every pixel votes for its nearest color among that background color and the foreground
+   palette; the foreground color with the most votes wins.
+3. Shape mask: each pixel is foreground when it is closer to the read foreground color than to the background one.
+4. Shape: for every frame, the best intersection-over-union of the mask with each shape's ideal mask over a window
+   of centers and sizes around the mask's centroid; the shape with the highest mean best-IoU over frames wins.
+5. Direction: a least-squares line through the per-frame mask centroids; the dominant axis and its sign.
 """
 
 from __future__ import annotations
@@ -26,14 +25,13 @@ from workers.toy.world import (
     FG_COLORS,
     HALF_SIZE,
     SHAPES,
-    SPLIT_X,
     Attributes,
     shape_mask,
 )
 
-# Frames whose element mask has fewer pixels than this are ignored for its shape and the motion.
-MIN_AREA = 8
-HALF_SIZES = tuple(range(HALF_SIZE - 1, HALF_SIZE + 2))
+# Frames whose mask has fewer pixels than this are ignored for shape and motion.
+MIN_AREA = 12
+HALF_SIZES = tuple(range(HALF_SIZE - 2, HALF_SIZE + 3))
 
 _FG_NAMES = list(FG_COLORS)
 _FG_RGB = np.asarray([FG_COLORS[n] for n in _FG_NAMES], dtype=np.float32)
@@ -42,33 +40,19 @@ _BG_RGB = np.asarray([BG_COLORS[n] for n in _BG_NAMES], dtype=np.float32)
 
 
 @dataclass
-class ElementReading:
-    """What the checker read of one element, with its evidence."""
-
-    color: str
-    shape: str
-    # Mean best IoU per shape (higher is better); the chosen shape has the highest.
-    shape_scores: dict[str, float] = field(default_factory=dict)
-    # RGB distance between the median color of the pixels that voted for it and its palette color.
-    color_error: float = 0.0
-    # Per used frame: (frame, centroid row).
-    rows: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
 class Reading:
     """What the checker read, plus the evidence it used."""
 
     attributes: Attributes
-    left: ElementReading
-    right: ElementReading
-    # Least-squares vertical motion in px/frame (negative = up).
-    velocity: float = 0.0
+    # Mean best IoU per shape (higher is better); the chosen shape has the highest.
+    shape_scores: dict[str, float] = field(default_factory=dict)
+    # Least-squares motion in px/frame.
+    velocity: tuple[float, float] = (0.0, 0.0)
+    # RGB distance between the measured median color and the palette color it was snapped to.
+    color_error: float = 0.0
     background_error: float = 0.0
-
-    @property
-    def frames_used(self) -> int:
-        return min(len(self.left.rows), len(self.right.rows))
+    # Frames whose mask was large enough to read shape and motion from.
+    frames_used: int = 0
 
 
 @functools.cache
@@ -87,14 +71,13 @@ def _nearest(rgb: np.ndarray, palette: np.ndarray) -> tuple[int, float]:
     return i, float(d[i])
 
 
-def _best_ious(mask: np.ndarray) -> dict[str, float]:
+def _best_ious(mask: np.ndarray, height: int, width: int) -> dict[str, float]:
     """Best IoU of one frame's mask with each shape over centers near its centroid and a range of sizes."""
-    height, width = mask.shape
     ys, xs = np.nonzero(mask)
     my, mx = float(ys.mean()), float(xs.mean())
     # A triangle's centroid sits below its bounding-box center by about a third of the half size.
     cxs = np.arange(round(mx) - 2, round(mx) + 3)
-    cys = np.arange(round(my) - 3, round(my) + 3)
+    cys = np.arange(round(my) - 5, round(my) + 3)
     cxs = cxs[(cxs >= 0) & (cxs < width)]
     cys = cys[(cys >= 0) & (cys < height)]
     rows = (cys[:, None] * width + cxs[None, :]).reshape(-1)
@@ -112,12 +95,18 @@ def _best_ious(mask: np.ndarray) -> dict[str, float]:
     return best
 
 
-def _read_element(pixels: np.ndarray, columns: slice, bg_rgb: np.ndarray) -> ElementReading:
-    """Color, shape and per-frame centroid rows of the element in ``pixels[:, :, columns]``."""
+def read_clip(clip: np.ndarray) -> Reading:
+    """Read color, shape, direction and background from a uint8 ``(F, H, W, 3)`` clip."""
+    if clip.ndim != 4 or clip.shape[-1] != 3:
+        raise ValueError(f"expected (F, H, W, 3), got {clip.shape}")
+    pixels = clip.astype(np.float32)
     num_frames, height, width, _ = pixels.shape
-    half = pixels[:, :, columns]
-    flat = half.reshape(-1, 3)
-    # Noise around the background spreads its few votes over many colors; the element's pixels agree.
+    flat = pixels.reshape(-1, 3)
+
+    bg_index, bg_error = _nearest(np.median(flat, axis=0), _BG_RGB)
+    bg_rgb = _BG_RGB[bg_index]
+    # Every pixel votes for its nearest color among the background and all foreground colors; the foreground
+    # color with most votes wins (noise around the background spreads its few votes over many colors).
     options = np.concatenate([bg_rgb[None, :], _FG_RGB])
     nearest = np.argmin(np.linalg.norm(flat[:, None, :] - options[None, :, :], axis=-1), axis=1)
     votes = np.bincount(nearest, minlength=len(options))[1:]
@@ -129,60 +118,45 @@ def _read_element(pixels: np.ndarray, columns: slice, bg_rgb: np.ndarray) -> Ele
         fg_index = int(np.argmax(votes))
         fg_error = float(np.linalg.norm(np.median(flat[nearest == fg_index + 1], axis=0) - _FG_RGB[fg_index]))
     fg_rgb = _FG_RGB[fg_index]
-    # The mask is drawn on the whole frame width (zero outside the half) so the template bank's coordinates hold.
-    masks = np.zeros((num_frames, height, width), dtype=bool)
-    masks[:, :, columns] = np.linalg.norm(half - fg_rgb, axis=-1) < np.linalg.norm(half - bg_rgb, axis=-1)
+
+    d_fg = np.linalg.norm(pixels - fg_rgb, axis=-1)
+    d_bg = np.linalg.norm(pixels - bg_rgb, axis=-1)
+    masks = d_fg < d_bg  # (F, H, W)
+
     totals = dict.fromkeys(SHAPES, 0.0)
-    rows: list[tuple[int, float]] = []
+    centroids: list[tuple[float, float, float]] = []
     for f in range(num_frames):
         if masks[f].sum() < MIN_AREA:
             continue
-        for shape, score in _best_ious(masks[f]).items():
+        for shape, score in _best_ious(masks[f], height, width).items():
             totals[shape] += score
-        rows.append((f, float(np.nonzero(masks[f])[0].mean())))
-    scores = {s: (v / len(rows) if rows else 0.0) for s, v in totals.items()}
-    return ElementReading(
-        color=_FG_NAMES[fg_index],
-        shape=max(SHAPES, key=lambda s: scores[s]),
-        shape_scores=scores,
-        color_error=fg_error,
-        rows=rows,
-    )
+        ys, xs = np.nonzero(masks[f])
+        centroids.append((float(f), float(xs.mean()), float(ys.mean())))
+    used = len(centroids)
+    shape_scores = {s: (v / used if used else 0.0) for s, v in totals.items()}
+    shape = max(SHAPES, key=lambda s: shape_scores[s])
 
+    vx = vy = 0.0
+    if used >= 2:
+        t = np.asarray([c[0] for c in centroids])
+        t = t - t.mean()
+        denom = float((t * t).sum())
+        vx = float((t * np.asarray([c[1] for c in centroids])).sum() / denom)
+        vy = float((t * np.asarray([c[2] for c in centroids])).sum() / denom)
+    if abs(vx) >= abs(vy):
+        direction = "right" if vx > 0 else "left"
+    else:
+        direction = "down" if vy > 0 else "up"
 
-def _vertical_velocity(rows: list[tuple[int, float]]) -> float:
-    """Least-squares slope of centroid row over frame (px/frame); 0 with fewer than two frames."""
-    if len({f for f, _ in rows}) < 2:
-        return 0.0
-    t = np.asarray([f for f, _ in rows], dtype=np.float64)
-    y = np.asarray([r for _, r in rows], dtype=np.float64)
-    t = t - t.mean()
-    return float((t * (y - y.mean())).sum() / (t * t).sum())
-
-
-def read_clip(clip: np.ndarray) -> Reading:
-    """Read both elements, the direction and the background from a uint8 ``(F, H, W, 3)`` clip."""
-    if clip.ndim != 4 or clip.shape[-1] != 3:
-        raise ValueError(f"expected (F, H, W, 3), got {clip.shape}")
-    pixels = clip.astype(np.float32)
-    bg_index, bg_error = _nearest(np.median(pixels.reshape(-1, 3), axis=0), _BG_RGB)
-    bg_rgb = _BG_RGB[bg_index]
-    left = _read_element(pixels, slice(0, SPLIT_X), bg_rgb)
-    right = _read_element(pixels, slice(SPLIT_X, None), bg_rgb)
-    velocity = _vertical_velocity(left.rows + right.rows)
     return Reading(
         attributes=Attributes(
-            left_color=left.color,
-            left_shape=left.shape,
-            right_color=right.color,
-            right_shape=right.shape,
-            direction="down" if velocity > 0 else "up",
-            background=_BG_NAMES[bg_index],
+            color=_FG_NAMES[fg_index], shape=shape, direction=direction, background=_BG_NAMES[bg_index]
         ),
-        left=left,
-        right=right,
-        velocity=velocity,
+        shape_scores=shape_scores,
+        velocity=(vx, vy),
+        color_error=fg_error,
         background_error=bg_error,
+        frames_used=used,
     )
 
 

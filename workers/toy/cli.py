@@ -35,7 +35,7 @@ def train_toy(
     heads: int = typer.Option(4, help="Attention heads."),
     head_dim: int = typer.Option(32, help="Channels per head."),
     ffn_dim: int = typer.Option(512, help="Feed-forward width."),
-    patch: str = typer.Option("2,4,4", help="Patch size (frames, height, width)."),
+    patch: str = typer.Option("8,2,2", help="Patch size (frames, height, width)."),
     coupling: bool = typer.Option(
         True, help="Read each training clip's position from its noise (see train.py)."
     ),
@@ -56,7 +56,7 @@ def train_toy(
         None, help="Fine-tune from these weights (a directory with config.json and model.safetensors)."
     ),
     captions_per_combo: int = typer.Option(
-        4, help="Pre-encoded training captions per attribute combination."
+        32, help="Pre-encoded training captions per attribute combination."
     ),
     resume: bool = typer.Option(False, help="Continue from the run directory's checkpoint."),
     install: bool = typer.Option(

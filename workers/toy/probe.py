@@ -30,12 +30,17 @@ from workers.toy.model import (
 )
 from workers.toy.train import coupled_mids, seeded_noise
 
-_VALUES = world.ATTRIBUTE_VALUES
+_VALUES: dict[str, tuple[str, ...]] = {
+    "color": tuple(world.FG_COLORS),
+    "shape": world.SHAPES,
+    "direction": world.DIRECTIONS,
+    "background": tuple(world.BG_COLORS),
+}
 TEMPLATE = world.TRAIN_TEMPLATES[0]
 
 
 def _caption(a: world.Attributes) -> str:
-    return world.plain_caption(a, TEMPLATE)
+    return TEMPLATE.format(color=a.color, shape=a.shape, dir=a.direction, bg=a.background)
 
 
 def swapped_pairs(n: int, seed: int = 0) -> dict[str, list[tuple[world.Attributes, world.Attributes]]]:
@@ -46,7 +51,7 @@ def swapped_pairs(n: int, seed: int = 0) -> dict[str, list[tuple[world.Attribute
         for _ in range(n):
             base = world.sample_attributes(rng)
             other = str(rng.choice([v for v in values if v != base.as_dict()[name]]))
-            pairs[name].append((base, base.replace(**{name: other})))
+            pairs[name].append((base, world.Attributes(**{**base.as_dict(), name: other})))
     return pairs
 
 
@@ -67,7 +72,7 @@ def attribute_sensitivity(
         enc_a = torch.cat([e.embeddings for e in encode_prompts([_caption(a) for a in base])])
         enc_b = torch.cat([e.embeddings for e in encode_prompts([_caption(b) for _, b in items])])
         x0 = clips_to_latents(
-            np.stack([world.render(world.params_at(a, m)) for a, m in zip(base, mids, strict=True)])
+            np.stack([world.render(world.params_at(a, *m)) for a, m in zip(base, mids, strict=True)])
         )
         row: dict[str, float] = {}
         for s in sigmas:

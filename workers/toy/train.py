@@ -10,12 +10,8 @@ gives the text's direction word no first-order gradient: nothing pulls the direc
 some later layer already combines it with position, and nothing builds that combination until the direction is
 there (measured: after 400 steps of training at σ ≈ 1 with a fixed placement, swapping "left" for "right" changed
 the prediction by 1e-4, a color swap by 0.1). Linear heads that read every attribute from the mean token after
-block ``aux_block`` break that circle: cross-attention must carry each attribute into the tokens early. An
-element's attributes are read from the mean over the tokens of its own half of the frame (the left element's from
-the left half), the direction and background from the mean over all tokens, so the words that describe the left
-element are pulled into the left element's tokens: attribute binding, and cross-attention maps that point at the
-element a word names (which is what Stage 2's masks read). The heads are thrown away; the saved model is the plain
-transformer.
+block ``aux_block`` break that circle: cross-attention must carry each attribute into every token early. The heads
+are thrown away; the saved model is the plain transformer.
 """
 
 from __future__ import annotations
@@ -70,8 +66,7 @@ class TrainConfig:
     t_mean: float = 1.0
     t_std: float = 1.0
     t_uniform: float = 0.1
-    # 2,592 attribute combinations × 4 captions ≈ 10k pre-encoded captions (0.25 GB in bf16).
-    captions_per_combo: int = 4
+    captions_per_combo: int = 32
     seed: int = 0
     threads: int = 1
     bf16: bool = True
@@ -211,7 +206,7 @@ class CaptionPool:
         rng: np.random.Generator,
         size: int,
         dropout: float,
-        mids: list[int] | None = None,
+        mids: list[tuple[int, int]] | None = None,
     ) -> tuple[np.ndarray, torch.Tensor, list[world.Attributes], torch.Tensor]:
         """Clips, caption embeddings (the empty prompt where dropped), attributes, and which captions were kept."""
         combo_idx = rng.integers(0, len(self.combos), size=size)
@@ -220,7 +215,7 @@ class CaptionPool:
         if mids is None:
             params = [world.sample_params(a, rng) for a in attrs]
         else:
-            params = [world.params_at(a, my) for a, my in zip(attrs, mids, strict=True)]
+            params = [world.params_at(a, mx, my) for a, (mx, my) in zip(attrs, mids, strict=True)]
         clips = np.stack([world.render(p) for p in params])
         emb = self.embeddings[torch.from_numpy(caption_idx)].float()
         drop = torch.from_numpy(rng.random(size) < dropout)
@@ -251,18 +246,18 @@ def init_weights(transformer: Any, mode: str) -> None:
             block.attn2.to_out[0].bias.zero_()
 
 
-def coupled_mids(noise: torch.Tensor) -> list[int]:
-    """Where the noise "wants" the elements: the mid-clip row in ``MID_RANGE`` whose 9-row band (over the two
-    elements' columns) has the largest sum of the noise summed over channels and frames. A translation-equivariant,
-    local reading of the noise, so the transformer can learn it, and uniform over the range by symmetry."""
+def coupled_mids(noise: torch.Tensor) -> list[tuple[int, int]]:
+    """Where the noise "wants" the shape: the center in ``MID_RANGE``² whose 15×15 window has the largest sum of
+    the noise summed over channels and frames. A translation-equivariant, local reading of the noise, so the
+    transformer can learn it, and uniform over the range by symmetry."""
+    field = noise.sum(dim=(1, 2))[:, None]  # (B, 1, H, W)
     k = 2 * world.HALF_SIZE + 1
-    columns = [world.LEFT_X + d for d in range(-world.HALF_SIZE, world.HALF_SIZE + 1)]
-    columns += [world.RIGHT_X + d for d in range(-world.HALF_SIZE, world.HALF_SIZE + 1)]
-    profile = noise.sum(dim=(1, 2))[:, :, columns].sum(dim=2)[:, None]  # (B, 1, H)
-    band = torch.nn.functional.avg_pool1d(profile, k, stride=1, padding=k // 2, count_include_pad=True)[:, 0]
+    window = torch.nn.functional.avg_pool2d(field, k, stride=1, padding=k // 2, count_include_pad=True)[:, 0]
     lo, hi = world.MID_RANGE
-    idx = band[:, lo : hi + 1].argmax(dim=1).tolist()
-    return [lo + int(i) for i in idx]
+    region = window[:, lo : hi + 1, lo : hi + 1].flatten(1)
+    idx = region.argmax(dim=1).tolist()
+    width = hi - lo + 1
+    return [(lo + i % width, lo + i // width) for i in idx]
 
 
 def sample_sigmas(rng: torch.Generator, size: int, cfg: TrainConfig) -> torch.Tensor:
@@ -277,43 +272,30 @@ def sample_sigmas(rng: torch.Generator, size: int, cfg: TrainConfig) -> torch.Te
     return sigmas.clamp(1e-4, 1.0)
 
 
-ATTRIBUTE_VALUES = world.ATTRIBUTE_VALUES
-# Which tokens each attribute head reads: an element's attributes come from its half of the frame.
-_HEAD_REGION: dict[str, str] = {
-    name: side for side, names in world.ELEMENT_ATTRIBUTES.items() for name in names
+ATTRIBUTE_VALUES: dict[str, tuple[str, ...]] = {
+    "color": tuple(world.FG_COLORS),
+    "shape": world.SHAPES,
+    "direction": world.DIRECTIONS,
+    "background": tuple(world.BG_COLORS),
 }
 
 
 class AttributeHeads(torch.nn.Module):
-    """One linear classifier per attribute on a pooled hidden state (the auxiliary loss): element attributes on
-    the mean over their half's tokens, the others on the mean over all tokens."""
+    """One linear classifier per attribute on a ``(B, D)`` pooled hidden state (the auxiliary loss)."""
 
-    def __init__(self, width: int, grid_width: int) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.grid_width = grid_width
         self.heads = torch.nn.ModuleDict(
             {name: torch.nn.Linear(width, len(values)) for name, values in ATTRIBUTE_VALUES.items()}
         )
 
-    def pooled(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``(B, S, D)`` tokens in (frame, row, column) order → the mean over all, left-half and right-half tokens."""
-        column = torch.arange(hidden.shape[1], device=hidden.device) % self.grid_width
-        left = column < self.grid_width // 2
-        return {
-            "all": hidden.mean(dim=1),
-            "left": hidden[:, left].mean(dim=1),
-            "right": hidden[:, ~left].mean(dim=1),
-        }
-
-    def loss(self, hidden: torch.Tensor, attributes: Sequence[world.Attributes]) -> torch.Tensor:
-        """Sum over attributes of the cross-entropy of reading each attribute from its pooled tokens."""
-        pooled = self.pooled(hidden)
-        total = hidden.new_zeros(())
+    def loss(self, pooled: torch.Tensor, attributes: Sequence[world.Attributes]) -> torch.Tensor:
+        """Sum over attributes of the cross-entropy of reading each attribute from ``pooled``."""
+        total = pooled.new_zeros(())
         for name, head in self.heads.items():
             values = ATTRIBUTE_VALUES[name]
-            target = torch.tensor([values.index(a.as_dict()[name]) for a in attributes], device=hidden.device)
-            logits = head(pooled[_HEAD_REGION.get(name, "all")])
-            total = total + torch.nn.functional.cross_entropy(logits, target)
+            target = torch.tensor([values.index(a.as_dict()[name]) for a in attributes], device=pooled.device)
+            total = total + torch.nn.functional.cross_entropy(head(pooled), target)
         return total
 
 
@@ -422,8 +404,7 @@ class _Training:
         self.ema = build_transformer(cfg.transformer)
         self.ema.load_state_dict(self.transformer.state_dict())
         self.ema.eval().requires_grad_(False)
-        grid_width = world.WIDTH // int(cfg.transformer["patch_size"][2])
-        self.heads = AttributeHeads(int(self.transformer.patch_embedding.out_channels), grid_width)
+        self.heads = AttributeHeads(int(self.transformer.patch_embedding.out_channels))
         self.captured: dict[str, torch.Tensor] = {}
         if cfg.aux_weight > 0:
             if cfg.aux_block < 0:
@@ -498,8 +479,8 @@ class _Training:
         total = loss
         if cfg.aux_weight > 0 and kept.any():
             # Only captioned samples: a dropped caption says nothing about the attributes.
-            hidden = self.captured["hidden"].float()[kept]
-            aux = self.heads.loss(hidden, [a for a, k in zip(attrs, kept.tolist(), strict=True) if k])
+            pooled = self.captured["hidden"].float().mean(dim=1)[kept]
+            aux = self.heads.loss(pooled, [a for a, k in zip(attrs, kept.tolist(), strict=True) if k])
             self.aux_running.append(float(aux.detach()))
             total = loss + cfg.aux_weight * aux
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,34 +1,30 @@
-"""The toy world (v2): two shapes side by side, each with its own color and shape, moving up or down together over
-a solid background.
+"""The toy world: one colored shape moving in one direction over a solid background.
 
-Every clip is ``NUM_FRAMES × HEIGHT × WIDTH × 3`` uint8 and a pure function of its ``ClipParams``; a seed
-determines the params (and a caption) through ``numpy.random.default_rng(seed)``.
-
-Why this world: Chorus' Stage 2 recomputes only the latent tokens where the new prompt diverges from the donor's.
-That can only pay when a prompt edit changes *part* of the clip, as "a red car" → "a blue car" does in a real
-video. Here each element is described on its own ("a red circle on the left and a blue square on the right"), so
-changing one element's color or shape changes one element's pixels (about 8% of each frame); changing the
-direction moves both elements; changing the background changes every pixel. Which words change what, the planner
-has to learn from calibration; nothing tells it. Attribute binding matters: "a red circle on the left and a blue
-square on the right" and "a blue circle on the left and a red square on the right" are different clips.
+Every clip is ``NUM_FRAMES × HEIGHT × WIDTH × 3`` uint8 and is a pure function of its ``ClipParams``; a seed
+determines the params (and a caption) through ``numpy.random.default_rng(seed)``, so the same seed always gives the
+same clip and caption.
 
 The design favours learnability and exact checking:
 
-* foreground and background colors come from two disjoint palettes far apart, so a pixel's color says whether it
-  belongs to an element;
-* the elements sit in fixed columns (centers at x = 8 and x = 23, 9 px wide, 6 px apart) and share one row; they
-  move 2 px per frame (14 px over the clip), up or down. The row's mid-clip height is drawn from a narrow range
-  (4 values) that says nothing about what the elements are; in training it is read from the diffusion noise
-  (``workers.toy.train.coupled_mids``), so the flow from noise to clip is nearly straight.
+* foreground colors and background colors come from two disjoint palettes whose closest pair is far apart, so a
+  color word alone says whether it names the shape or the background, and a pixel's color says whether it belongs to
+  the shape;
+* shapes are large (15 px across on a 32 px frame) and move fast (2 px per frame, 14 px over the clip);
+* where the shape is carries no information about what it is or where it goes: the mid-clip position is drawn
+  from a range symmetric about the frame center, the same for every direction. Here the seed picks the position;
+  in training the position is read from the diffusion noise instead (``workers.toy.train.coupled_mids``).
+* that range is narrow (4 px per axis, 16 placements): from pure noise the model can only predict the average
+  over placements, and the wider the spread the more that average blurs a square's corners into a circle's
+  outline. Measured: fine-tuning a model trained on an 8 px range on this one raised shape accuracy from 46% to
+  69% (4 steps) and from 42% to 75% (20 steps) in 500 steps.
 
-Captions come from templates filled with synonyms; every template names which element is on which side.
-``TRAIN_TEMPLATES`` are used for training; ``EVAL_TEMPLATES`` (other word orders and connectives) are held apart
-for evaluation and benchmarks.
+Captions come from templates filled with synonyms. ``TRAIN_TEMPLATES`` are used for training;
+``EVAL_TEMPLATES`` (different word orders and connectives) are held apart for evaluation.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -37,7 +33,7 @@ NUM_FRAMES = 8
 HEIGHT = 32
 WIDTH = 32
 
-# Foreground palette (the elements). Closest pair: blue/purple, ≈135 apart in RGB.
+# Foreground palette (the shape). Closest pair: blue/purple, ≈135 apart in RGB.
 FG_COLORS: dict[str, tuple[int, int, int]] = {
     "red": (225, 35, 35),
     "green": (35, 185, 50),
@@ -46,7 +42,8 @@ FG_COLORS: dict[str, tuple[int, int, int]] = {
     "purple": (165, 45, 215),
     "cyan": (30, 210, 215),
 }
-# Background palette; disjoint from the foreground one (closest fg/bg pair: red/brown, ≈123 apart).
+# Background palette; disjoint from the foreground one (closest fg/bg pair: red/brown, ≈123 apart; closest
+# bg/bg pair: black/brown, ≈101 apart).
 BG_COLORS: dict[str, tuple[int, int, int]] = {
     "black": (15, 15, 15),
     "white": (240, 240, 240),
@@ -54,88 +51,88 @@ BG_COLORS: dict[str, tuple[int, int, int]] = {
     "brown": (105, 60, 25),
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
-DIRECTIONS: tuple[str, ...] = ("up", "down")
-# Vertical motion per direction (y grows downwards).
-DIRECTION_DY: dict[str, int] = {"up": -1, "down": 1}
+DIRECTIONS: tuple[str, ...] = ("left", "right", "up", "down")
+# Unit motion per direction as (dx, dy) in image coordinates (y grows downwards).
+DIRECTION_VECTORS: dict[str, tuple[int, int]] = {
+    "left": (-1, 0),
+    "right": (1, 0),
+    "up": (0, -1),
+    "down": (0, 1),
+}
 
-HALF_SIZE = 4  # an element spans 2·4+1 = 9 px
+HALF_SIZE = 7  # a shape spans 2·7+1 = 15 px
 SPEED = 2  # px per frame
-# The elements' columns: fixed centers, mirror images about the frame's center line x = 15.5. Each stays inside
-# its half of the frame (left spans x 4..12, right 19..27), so the checker reads each half on its own.
-LEFT_X = 8
-RIGHT_X = 23
-SPLIT_X = 16
-# Mid-clip center row of both elements (inclusive range).
+# Mid-clip center of the shape, the same inclusive pixel range in both axes (symmetric about the frame center
+# 15.5). The shape stays fully inside the frame in every frame.
 MID_RANGE = (14, 17)
-
-# The attributes a caption describes, with their values, in a fixed order.
-ATTRIBUTE_VALUES: dict[str, tuple[str, ...]] = {
-    "left_color": tuple(FG_COLORS),
-    "left_shape": SHAPES,
-    "right_color": tuple(FG_COLORS),
-    "right_shape": SHAPES,
-    "direction": DIRECTIONS,
-    "background": tuple(BG_COLORS),
-}
-ATTRIBUTE_NAMES: tuple[str, ...] = tuple(ATTRIBUTE_VALUES)
-# Attributes that belong to one element (a change of one of these is local); the others are global.
-ELEMENT_ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    "left": ("left_color", "left_shape"),
-    "right": ("right_color", "right_shape"),
-}
 
 Split = Literal["train", "eval"]
 
 
 @dataclass(frozen=True)
 class Attributes:
-    left_color: str
-    left_shape: str
-    right_color: str
-    right_shape: str
+    color: str
+    shape: str
     direction: str
     background: str
 
     def as_dict(self) -> dict[str, str]:
-        return asdict(self)
+        return {
+            "color": self.color,
+            "shape": self.shape,
+            "direction": self.direction,
+            "background": self.background,
+        }
 
-    def replace(self, **changes: str) -> Attributes:
-        return Attributes(**{**self.as_dict(), **changes})
+
+ATTRIBUTE_NAMES: tuple[str, ...] = ("color", "shape", "direction", "background")
 
 
 def all_attributes() -> list[Attributes]:
     """Every attribute combination, in a fixed order."""
-    import itertools
-
-    return [Attributes(*values) for values in itertools.product(*ATTRIBUTE_VALUES.values())]
+    return [Attributes(c, s, d, b) for c in FG_COLORS for s in SHAPES for d in DIRECTIONS for b in BG_COLORS]
 
 
 @dataclass(frozen=True)
 class ClipParams:
     attributes: Attributes
-    # Center row of both elements in the first frame (pixel coordinates, y down).
+    # Center of the shape in the first frame (pixel coordinates, x to the right, y down).
+    start_x: int
     start_y: int
     half_size: int = HALF_SIZE
     speed: int = SPEED
 
-    def rows(self) -> list[int]:
-        dy = DIRECTION_DY[self.attributes.direction]
-        return [self.start_y + dy * self.speed * f for f in range(NUM_FRAMES)]
+    def centers(self) -> list[tuple[int, int]]:
+        dx, dy = DIRECTION_VECTORS[self.attributes.direction]
+        return [
+            (self.start_x + dx * self.speed * f, self.start_y + dy * self.speed * f)
+            for f in range(NUM_FRAMES)
+        ]
 
 
 def sample_attributes(rng: np.random.Generator) -> Attributes:
-    return Attributes(*(str(rng.choice(values)) for values in ATTRIBUTE_VALUES.values()))
+    return Attributes(
+        color=str(rng.choice(list(FG_COLORS))),
+        shape=str(rng.choice(SHAPES)),
+        direction=str(rng.choice(DIRECTIONS)),
+        background=str(rng.choice(list(BG_COLORS))),
+    )
 
 
-def params_at(attributes: Attributes, mid_y: int) -> ClipParams:
-    """The clip whose elements are centered on row ``mid_y`` half-way through their motion."""
+def params_at(attributes: Attributes, mid_x: int, mid_y: int) -> ClipParams:
+    """The clip whose shape is centered at ``(mid_x, mid_y)`` half-way through its motion."""
+    dx, dy = DIRECTION_VECTORS[attributes.direction]
     half_travel = SPEED * (NUM_FRAMES - 1) // 2
-    return ClipParams(attributes=attributes, start_y=mid_y - DIRECTION_DY[attributes.direction] * half_travel)
+    return ClipParams(
+        attributes=attributes, start_x=mid_x - dx * half_travel, start_y=mid_y - dy * half_travel
+    )
 
 
 def sample_params(attributes: Attributes, rng: np.random.Generator) -> ClipParams:
-    """The mid-clip row uniform over ``MID_RANGE``, independent of the attributes."""
-    return params_at(attributes, int(rng.integers(MID_RANGE[0], MID_RANGE[1] + 1)))
+    """Place the shape independently of what it is and where it goes: the mid-clip center is uniform over
+    ``MID_RANGE`` in both axes (symmetric about the frame center)."""
+    mid_x, mid_y = (int(v) for v in rng.integers(MID_RANGE[0], MID_RANGE[1] + 1, size=2))
+    return params_at(attributes, mid_x, mid_y)
 
 
 _YY, _XX = np.mgrid[0:HEIGHT, 0:WIDTH]
@@ -163,10 +160,9 @@ def render(params: ClipParams) -> np.ndarray:
     a = params.attributes
     clip = np.empty((NUM_FRAMES, HEIGHT, WIDTH, 3), dtype=np.uint8)
     clip[:] = np.asarray(BG_COLORS[a.background], dtype=np.uint8)
-    elements = ((LEFT_X, a.left_shape, a.left_color), (RIGHT_X, a.right_shape, a.right_color))
-    for f, cy in enumerate(params.rows()):
-        for cx, shape, color in elements:
-            clip[f][shape_mask(shape, cx, cy, params.half_size)] = np.asarray(FG_COLORS[color], np.uint8)
+    fg = np.asarray(FG_COLORS[a.color], dtype=np.uint8)
+    for f, (cx, cy) in enumerate(params.centers()):
+        clip[f][shape_mask(a.shape, cx, cy, params.half_size)] = fg
     return clip
 
 
@@ -191,87 +187,53 @@ SHAPE_WORDS: dict[str, tuple[str, ...]] = {
 }
 # How a motion in each direction is phrased after a verb ("moving ___").
 DIRECTION_WORDS: dict[str, tuple[str, ...]] = {
+    "left": ("left", "to the left", "leftward", "leftwards"),
+    "right": ("right", "to the right", "rightward", "rightwards"),
     "up": ("up", "upward", "upwards", "toward the top"),
     "down": ("down", "downward", "downwards", "toward the bottom"),
 }
 VERBS_ING: tuple[str, ...] = ("moving", "sliding", "drifting", "gliding", "traveling", "heading")
-VERBS_PLURAL: tuple[str, ...] = ("move", "slide", "drift", "glide", "travel", "head")
+VERBS_3RD: tuple[str, ...] = ("moves", "slides", "drifts", "glides", "travels", "heads")
 BACKDROP_WORDS: tuple[str, ...] = ("background", "backdrop")
 
-# Template fields: one per attribute (named as the attribute) plus the filler words {ving} {vp} {backdrop}.
-# Every template says which element is on which side; some name the right one first.
+# Fields: {color} {shape} {dir} {bg} {ving} {v3} {backdrop}
 TRAIN_TEMPLATES: tuple[str, ...] = (
-    "a {left_color} {left_shape} on the left and a {right_color} {right_shape} on the right, "
-    "{ving} {direction} on a {background} {backdrop}",
-    "a {left_color} {left_shape} to the left of a {right_color} {right_shape}, both {ving} {direction} "
-    "on a {background} {backdrop}",
-    "a {right_color} {right_shape} to the right of a {left_color} {left_shape}, {ving} {direction} "
-    "against a {background} {backdrop}",
-    "{background} {backdrop}, {left_color} {left_shape} on the left, {right_color} {right_shape} on the right, "
-    "{ving} {direction}",
-    "on the left a {left_color} {left_shape}, on the right a {right_color} {right_shape}; "
-    "they {vp} {direction} over a {background} {backdrop}",
-    "on the right a {right_color} {right_shape}, on the left a {left_color} {left_shape}, "
-    "{ving} {direction} on {background}",
-    "a {background} {backdrop} with a {left_color} {left_shape} at left and a {right_color} {right_shape} "
-    "at right {ving} {direction}",
-    "left: {left_color} {left_shape}, right: {right_color} {right_shape}, {ving} {direction}, "
-    "{background} {backdrop}",
-    "a {right_color} {right_shape} on the right and a {left_color} {left_shape} on the left {vp} "
-    "{direction} in front of a {background} {backdrop}",
-    "video of a {left_color} {left_shape} left of a {right_color} {right_shape}, {ving} {direction} "
-    "on {background}",
+    "a {color} {shape} moving {dir} on a {bg} background",
+    "a {color} {shape} {ving} {dir} on a {bg} {backdrop}",
+    "{color} {shape} {ving} {dir}, {bg} {backdrop}",
+    "a {color} {shape} {ving} {dir} against a {bg} {backdrop}",
+    "the {color} {shape} {v3} {dir} over a {bg} {backdrop}",
+    "{bg} {backdrop}, {color} {shape} {ving} {dir}",
+    "a {color} {shape} on a {bg} {backdrop}, {ving} {dir}",
+    "{color} {shape}, {bg} {backdrop}, {ving} {dir}",
+    "a {color} {shape} that {v3} {dir} in front of a {bg} {backdrop}",
+    "a {bg} {backdrop} with a {color} {shape} {ving} {dir}",
+    "video of a {color} {shape} {ving} {dir} on {bg}",
+    "{color} {shape} {ving} {dir} on {bg}",
 )
 EVAL_TEMPLATES: tuple[str, ...] = (
-    "on a {background} {backdrop}, a {left_color} {left_shape} on the left side and a {right_color} "
-    "{right_shape} on the right side are {ving} {direction}",
-    "two shapes {ving} {direction} across a plain {background} {backdrop}: a {right_color} {right_shape} "
-    "at the right, a {left_color} {left_shape} at the left",
-    "there is a {left_color} {left_shape} to the left and a {right_color} {right_shape} to the right, "
-    "and they {vp} {direction}; the {backdrop} is {background}",
-    "{ving} {direction}, a {left_color} {left_shape} (left) and a {right_color} {right_shape} (right) "
-    "on {background}",
-    "clip with a {right_color} {right_shape} on its right and a {left_color} {left_shape} on its left, "
-    "{ving} {direction}, {background} {backdrop} behind them",
+    "on a {bg} {backdrop}, a {color} {shape} is {ving} {dir}",
+    "a single {color} {shape} {ving} {dir} across a plain {bg} {backdrop}",
+    "there is a {color} {shape} and it {v3} {dir}; the {backdrop} is {bg}",
+    "{ving} {dir}, a {color} {shape} on {bg}",
+    "clip of a {color} {shape} {ving} {dir} with a {bg} {backdrop} behind it",
 )
-
-
-# The words for each attribute's values.
-ATTRIBUTE_WORDS: dict[str, dict[str, tuple[str, ...]]] = {
-    "left_color": COLOR_WORDS,
-    "left_shape": SHAPE_WORDS,
-    "right_color": COLOR_WORDS,
-    "right_shape": SHAPE_WORDS,
-    "direction": DIRECTION_WORDS,
-    "background": COLOR_WORDS,
-}
-
-
-def attribute_word(attribute: str, value: str, rng: np.random.Generator) -> str:
-    """A word (or phrase) that names ``value`` of ``attribute`` in a caption."""
-    return str(rng.choice(ATTRIBUTE_WORDS[attribute][value]))
-
-
-def draw_fields(attributes: Attributes, rng: np.random.Generator) -> dict[str, str]:
-    """Words for every template field: one per attribute, plus the filler words."""
-    fields = {name: attribute_word(name, value, rng) for name, value in attributes.as_dict().items()}
-    fields["ving"] = str(rng.choice(VERBS_ING))
-    fields["vp"] = str(rng.choice(VERBS_PLURAL))
-    fields["backdrop"] = str(rng.choice(BACKDROP_WORDS))
-    return fields
-
-
-def plain_caption(attributes: Attributes, template: str = TRAIN_TEMPLATES[0]) -> str:
-    """``template`` filled with the first word of every value (no synonyms): two plain captions differ only in
-    the words of the attributes that differ."""
-    fields = {name: ATTRIBUTE_WORDS[name][value][0] for name, value in attributes.as_dict().items()}
-    return template.format(**fields, ving=VERBS_ING[0], vp=VERBS_PLURAL[0], backdrop=BACKDROP_WORDS[0])
 
 
 def make_caption(attributes: Attributes, rng: np.random.Generator, split: Split = "train") -> str:
     templates = TRAIN_TEMPLATES if split == "train" else EVAL_TEMPLATES
     template = str(rng.choice(templates))
-    return template.format(**draw_fields(attributes, rng))
+    direction = str(rng.choice(DIRECTION_WORDS[attributes.direction]))
+    fields = {
+        "color": str(rng.choice(COLOR_WORDS[attributes.color])),
+        "shape": str(rng.choice(SHAPE_WORDS[attributes.shape])),
+        "dir": direction,
+        "bg": str(rng.choice(COLOR_WORDS[attributes.background])),
+        "ving": str(rng.choice(VERBS_ING)),
+        "v3": str(rng.choice(VERBS_3RD)),
+        "backdrop": str(rng.choice(BACKDROP_WORDS)),
+    }
+    return template.format(**fields)
 
 
 @dataclass(frozen=True)
@@ -295,20 +257,12 @@ def sample(seed: int, split: Split = "train") -> Sample:
     return Sample(seed=seed, params=params, caption=caption, clip=render(params))
 
 
-def balanced_attributes(n: int, rng: np.random.Generator) -> list[Attributes]:
-    """``n`` attribute combinations whose every attribute's values are balanced (counts differ by ≤ 1 in every
-    prefix), each attribute drawn independently of the others."""
-    columns: dict[str, list[str]] = {}
-    for name, values in ATTRIBUTE_VALUES.items():
-        column: list[str] = []
-        while len(column) < n:
-            column.extend(str(values[int(i)]) for i in rng.permutation(len(values)))
-        columns[name] = column[:n]
-    return [Attributes(**{name: col[i] for name, col in columns.items()}) for i in range(n)]
-
-
 def eval_prompts(n: int, seed: int = 0) -> list[tuple[str, Attributes]]:
-    """``n`` held-out evaluation prompts (``EVAL_TEMPLATES``) with their attributes; every attribute's values are
-    covered evenly."""
+    """``n`` held-out evaluation prompts (``EVAL_TEMPLATES``) with their attributes, cycling through all
+    attribute combinations in a seeded random order so every value is covered evenly."""
     rng = np.random.default_rng(seed)
-    return [(make_caption(a, rng, "eval"), a) for a in balanced_attributes(n, rng)]
+    combos = all_attributes()
+    order: list[int] = []
+    while len(order) < n:
+        order.extend(int(i) for i in rng.permutation(len(combos)))
+    return [(make_caption(combos[i], rng, "eval"), combos[i]) for i in order[:n]]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from itertools import cycle
 
 from producer.contract import DEFAULT_TENANT, build_request
-from workers.toy.world import BG_COLORS, DIRECTIONS, FG_COLORS, SHAPES, Attributes, plain_caption
+from workers.toy.world import BG_COLORS, DIRECTIONS, FG_COLORS, SHAPES
 
 MODEL = "toy"
 STEPS = 4
@@ -33,17 +33,13 @@ class Message:
 
 
 def prompt(i: int) -> str:
-    """The i-th toy prompt: the left color varies fastest, so consecutive prompts are similar but not identical."""
+    """The i-th toy prompt: colors vary fastest, so consecutive prompts are similar but not identical."""
     colors, backgrounds = list(FG_COLORS), list(BG_COLORS)
-    attributes = Attributes(
-        left_color=colors[i % len(colors)],
-        left_shape=SHAPES[(i // len(colors)) % len(SHAPES)],
-        right_color=colors[(i // 18) % len(colors)],
-        right_shape=SHAPES[(i // 108) % len(SHAPES)],
-        direction=DIRECTIONS[(i // 324) % len(DIRECTIONS)],
-        background=backgrounds[(i // 648) % len(backgrounds)],
-    )
-    return plain_caption(attributes)
+    color = colors[i % len(colors)]
+    shape = SHAPES[(i // len(colors)) % len(SHAPES)]
+    direction = DIRECTIONS[(i // 18) % len(DIRECTIONS)]
+    background = backgrounds[(i // 72) % len(backgrounds)]
+    return f"a {color} {shape} moving {direction} on a {background} background"
 
 
 def valid(

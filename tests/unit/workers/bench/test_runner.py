@@ -9,20 +9,21 @@ from workers.bench.runner import QualityRunner, Row, wilson
 from workers.engine import load_bundle
 from workers.toy.world import Attributes
 
-EXPECTED = Attributes("red", "circle", "blue", "square", "up", "white")
-PROMPT = "a red circle on the left and a blue square on the right, moving up on a white background"
+EXPECTED = Attributes("red", "circle", "left", "white")
 
 
 def test_runner_checks_and_measures_and_judges_chosen_attributes() -> None:
     runner = QualityRunner(load_bundle("tiny-random-wan"), 1.0, judge=("background",))
     try:
-        donor = runner.run(PROMPT, 1, 4, EXPECTED, keep_trajectory=True)
+        donor = runner.run(
+            "a red circle moving left on a white background", 1, 4, EXPECTED, keep_trajectory=True
+        )
         assert donor.trajectory is not None and donor.frames is None
         assert donor.correct["all"] == donor.correct["background"]
         assert donor.steps_computed == 4 and donor.block_fraction == 1.0 and not donor.reused
         plan = ReusePlan(stage1_steps=2, stage2_steps=0, stage3_steps=2)
         out = runner.run(
-            PROMPT,
+            "a red circle moving left on a white background",
             2,
             4,
             EXPECTED,

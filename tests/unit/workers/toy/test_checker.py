@@ -56,28 +56,18 @@ def test_deterministic_and_reports_evidence() -> None:
     a, b = checker.read_clip(clip), checker.read_clip(clip)
     assert a == b
     assert a.frames_used == world.NUM_FRAMES
-    assert a.left.shape_scores[a.attributes.left_shape] == pytest.approx(1.0)
-    assert a.right.shape_scores[a.attributes.right_shape] == pytest.approx(1.0)
-    assert abs(a.velocity) == pytest.approx(world.SPEED, rel=0.1)
+    assert a.shape_scores[a.attributes.shape] == pytest.approx(1.0)
+    # Frames cut off at the border shift the centroid a little.
+    assert abs(max(a.velocity, key=abs)) == pytest.approx(world.SPEED, rel=0.1)
 
 
 def test_compare_and_accuracy() -> None:
-    a = world.Attributes("red", "circle", "blue", "square", "up", "gray")
-    b = a.replace(right_shape="triangle")
+    a = world.Attributes("red", "circle", "left", "gray")
+    b = world.Attributes("red", "square", "left", "gray")
     assert checker.compare(a, a)["all"]
     r = checker.compare(b, a)
-    assert r == {name: name != "right_shape" for name in world.ATTRIBUTE_NAMES} | {"all": False}
-    assert checker.accuracy([r, checker.compare(a, a)])["right_shape"] == 0.5
-
-
-def test_swapped_elements_are_told_apart() -> None:
-    """Attribute binding: the same words on the other sides are another clip, and the checker says so."""
-    a = world.Attributes("red", "circle", "blue", "square", "down", "white")
-    swapped = world.Attributes("blue", "square", "red", "circle", "down", "white")
-    clip = world.render(world.params_at(swapped, 15))
-    reading = checker.read_clip(clip)
-    assert reading.attributes == swapped
-    assert not checker.compare(reading, a)["all"]
+    assert r == {"color": True, "shape": False, "direction": True, "background": True, "all": False}
+    assert checker.accuracy([r, checker.compare(a, a)])["shape"] == 0.5
 
 
 def test_rejects_bad_input() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import numpy as np
@@ -23,16 +22,10 @@ def test_same_seed_same_clip_and_caption() -> None:
 def test_clip_format_and_colors() -> None:
     for seed in range(50):
         s = world.sample(seed)
-        a = s.attributes
         assert s.clip.shape == (world.NUM_FRAMES, world.HEIGHT, world.WIDTH, 3)
         assert s.clip.dtype == np.uint8
         colors = {tuple(int(v) for v in c) for c in s.clip.reshape(-1, 3)}
-        expected = {
-            world.FG_COLORS[a.left_color],
-            world.FG_COLORS[a.right_color],
-            world.BG_COLORS[a.background],
-        }
-        assert colors == expected
+        assert colors == {world.FG_COLORS[s.attributes.color], world.BG_COLORS[s.attributes.background]}
 
 
 def test_palettes_are_disjoint_and_far_apart() -> None:
@@ -46,86 +39,62 @@ def test_palettes_are_disjoint_and_far_apart() -> None:
 
 
 def test_world_size() -> None:
-    assert len(world.SHAPES) >= 3 and len(world.DIRECTIONS) == 2
+    assert len(world.SHAPES) >= 3 and len(world.DIRECTIONS) == 4
     assert len(world.BG_COLORS) >= 4 and len(world.FG_COLORS) >= 5
-    expected = len(world.FG_COLORS) ** 2 * len(world.SHAPES) ** 2 * 2 * len(world.BG_COLORS)
-    assert len(world.all_attributes()) == len(set(world.all_attributes())) == expected
+    assert len(world.all_attributes()) == len(world.FG_COLORS) * 3 * 4 * len(world.BG_COLORS)
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_elements_stay_inside_their_halves_and_move_the_stated_way(seed: int) -> None:
+def test_shape_stays_mostly_inside_and_moves_the_stated_way(seed: int) -> None:
     s = world.sample(seed)
-    a = s.attributes
-    rows = s.params.rows()
+    dx, dy = world.DIRECTION_VECTORS[s.attributes.direction]
+    centers = s.params.centers()
+    full_area = world.shape_mask(s.attributes.shape, 16, 16, world.HALF_SIZE).sum()
     for f, frame in enumerate(s.clip):
-        for color, shape, cx, columns in (
-            (a.left_color, a.left_shape, world.LEFT_X, slice(0, world.SPLIT_X)),
-            (a.right_color, a.right_shape, world.RIGHT_X, slice(world.SPLIT_X, None)),
-        ):
-            mask = np.zeros(frame.shape[:2], dtype=bool)
-            mask[:, columns] = np.all(frame[:, columns] == np.asarray(world.FG_COLORS[color]), axis=-1)
-            expected = world.shape_mask(shape, cx, rows[f], world.HALF_SIZE)
-            # Whole and in its own half in every frame (where the two colors differ the masks are exact).
-            assert expected[:, columns].sum() == expected.sum()
-            if a.left_color != a.right_color:
-                np.testing.assert_array_equal(mask, expected)
-    steps = np.diff(np.asarray(rows))
-    assert set(steps.tolist()) == {world.DIRECTION_DY[a.direction] * world.SPEED}
+        mask = np.all(frame == np.asarray(world.FG_COLORS[s.attributes.color]), axis=-1)
+        # At most 2 px of the shape are cut off, only in the first/last frames; the middle is whole.
+        assert mask.sum() >= 0.7 * full_area
+        if 2 <= f <= 5:
+            assert mask.sum() == full_area
+    steps = np.diff(np.asarray(centers), axis=0)
+    np.testing.assert_array_equal(steps, np.tile([dx * world.SPEED, dy * world.SPEED], (len(steps), 1)))
 
 
-def test_a_change_of_one_element_stays_in_its_part_of_the_frame() -> None:
-    """What Stage 2 relies on: one element's color changes its own pixels only; the background changes all."""
-    a = world.Attributes("red", "circle", "blue", "square", "down", "white")
-    base = world.render(world.params_at(a, 15))
-    recolored = world.render(world.params_at(a.replace(left_color="green"), 15))
-    changed = np.any(base != recolored, axis=-1)
-    assert 0 < changed.mean() < 0.1 and not changed[:, :, world.SPLIT_X :].any()
-    new_background = world.render(world.params_at(a.replace(background="black"), 15))
-    assert np.any(base != new_background, axis=-1).mean() > 0.8
-
-
-def test_position_is_independent_of_the_attributes() -> None:
+def test_position_is_independent_of_direction() -> None:
     rng = np.random.default_rng(0)
-    mids: dict[str, list[float]] = {d: [] for d in world.DIRECTIONS}
+    mids: dict[str, list[tuple[float, float]]] = {d: [] for d in world.DIRECTIONS}
     for _ in range(4000):
         a = world.sample_attributes(rng)
-        mids[a.direction].append(float(np.mean(world.sample_params(a, rng).rows())))
+        c = np.asarray(world.sample_params(a, rng).centers())
+        mids[a.direction].append(tuple(c.mean(axis=0)))
     for d, points in mids.items():
-        assert np.mean(points) == pytest.approx(15.5, abs=0.2), d
+        mean = np.asarray(points).mean(axis=0)
+        np.testing.assert_allclose(mean, [15.5, 15.5], atol=0.4, err_msg=d)
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", text.lower()))
 
 
 def test_captions_name_exactly_the_attributes() -> None:
-    """Each element's color and shape words sit next to each other, on the side the caption gives them."""
     color_words = {w: name for name, ws in world.COLOR_WORDS.items() for w in ws}
     shape_words = {w: name for name, ws in world.SHAPE_WORDS.items() for w in ws}
     splits: tuple[world.Split, ...] = ("train", "eval")
     for split in splits:
         for seed in range(300):
             rng = np.random.default_rng(seed)
-            a = world.sample_attributes(rng)
-            caption = world.make_caption(a, rng, split)
-            words = re.findall(r"[a-z]+", caption.lower())
-            pairs = {
-                (color_words[w], shape_words[n])
-                for w, n in itertools.pairwise(words)
-                if w in color_words and n in shape_words
-            }
-            assert pairs == {(a.left_color, a.left_shape), (a.right_color, a.right_shape)}, caption
-            colors = [color_words[w] for w in words if w in color_words]
-            assert sorted(colors) == sorted([a.left_color, a.right_color, a.background]), caption
+            attrs = world.sample_attributes(rng)
+            caption = world.make_caption(attrs, rng, split)
+            words = _words(caption)
+            colors = {color_words[w] for w in words if w in color_words}
+            assert colors == {attrs.color, attrs.background}, caption
+            assert {shape_words[w] for w in words if w in shape_words} == {attrs.shape}, caption
             direction_hits = {
                 d
                 for d, phrases in world.DIRECTION_WORDS.items()
                 if any(re.search(rf"\b{re.escape(p)}\b", caption) for p in phrases)
             }
-            assert direction_hits == {a.direction}, caption
-
-
-def test_every_template_names_both_sides() -> None:
-    for template in (*world.TRAIN_TEMPLATES, *world.EVAL_TEMPLATES):
-        assert "left" in template and "right" in template, template
-        fields = set(re.findall(r"{(\w+)}", template))
-        assert set(world.ATTRIBUTE_NAMES) <= fields, template
+            assert direction_hits == {attrs.direction}, caption
 
 
 def test_eval_templates_are_held_out() -> None:
@@ -137,17 +106,11 @@ def test_eval_templates_are_held_out() -> None:
     # Every attribute value is covered.
     for name in world.ATTRIBUTE_NAMES:
         seen = {getattr(a, name) for _, a in prompts}
-        assert seen == set(world.ATTRIBUTE_VALUES[name])
+        assert len(seen) >= 3
     assert world.eval_prompts(20, seed=3) == world.eval_prompts(20, seed=3)
 
 
 def test_params_at_centers_the_middle_of_the_motion() -> None:
-    a = world.Attributes("red", "square", "blue", "circle", "up", "black")
-    assert np.mean(world.params_at(a, 14).rows()) == 14
-
-
-def test_plain_captions_differ_only_in_the_changed_words() -> None:
-    a = world.Attributes("red", "square", "blue", "circle", "up", "black")
-    b = a.replace(right_color="green")
-    diff = set(world.plain_caption(a).split()) ^ set(world.plain_caption(b).split())
-    assert diff == {"blue", "green"}
+    a = world.Attributes("red", "square", "right", "black")
+    c = np.asarray(world.params_at(a, 14, 17).centers())
+    np.testing.assert_allclose(c.mean(axis=0), [14, 17])
