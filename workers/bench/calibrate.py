@@ -16,10 +16,15 @@
    calibrate — and its pairs fall through to later rows or to no reuse.
 2. **Candidates.** Per regime (a calibrated step count N), candidate plans: k1, k2 in steps; α and mask
    threshold when k2 > 0 (``default_grid``).
-3. **Paired acceptance.** A candidate passes a row when its all-attribute accuracy on the row's pairs is at least
-   the no-reuse accuracy of the same targets (same seeds) minus ``tolerance`` (1 point): it may get at most
-   ``floor(tolerance · n)`` more clips wrong. Evaluation stops as soon as the candidate has more wrong clips than
-   that allows (an exact early rejection, not an estimate).
+3. **Paired, churn-aware acceptance.** Each clip of a candidate is paired with the no-reuse clip of the same
+   target and seed: *lost* (no reuse right, the candidate wrong) or *gained* (the other way round); the rest agree.
+   A net count (lost − gained ≤ tolerance · n) lets a plan that re-rolls fragile clips pass: its losses are real,
+   its gains are luck. So a candidate passes only when the one-sided 95% upper bound of the paired accuracy loss,
+   ``paired_loss_bound`` (McNemar's statistic on the discordant pairs: (lost − gained + z·√(lost + gained −
+   (lost − gained)²/n)) / n), is at most ``tolerance`` (1 point). Every discordant pair widens the bound: a plan
+   with no lost clip passes; one that loses a clip needs several gains to pass; churn of three each way fails.
+   Evaluation stops as soon as no outcome of the remaining clips could bring the bound back under the
+   tolerance (an exact early rejection, not an estimate).
 4. **Most reuse = most measured saving.** Of the passing candidates, the row takes the one whose measured
    computed-token fraction is lowest (Stage 2 saves only what its masks leave out, which is measured, not
    assumed). Candidates are tried by decreasing upper bound of their saving (``saving_bound``) and the search
@@ -211,7 +216,9 @@ class Trial:
     candidate: CandidatePlan
     evaluated: int
     wrong: int
-    allowed_wrong: int
+    lost: int
+    gained: int
+    loss_bound: float  # ``paired_loss_bound`` over the evaluated clips
     passed: bool
     stopped_early: bool
     steps_computed_mean: float
@@ -228,7 +235,9 @@ class Trial:
             "mask_threshold": c.threshold,
             "evaluated": self.evaluated,
             "wrong": self.wrong,
-            "allowed_wrong": self.allowed_wrong,
+            "lost": self.lost,
+            "gained": self.gained,
+            "loss_bound": round(self.loss_bound, 4),
             "passed": self.passed,
             "stopped_early": self.stopped_early,
             "steps_computed_mean": round(self.steps_computed_mean, 3),
@@ -241,8 +250,24 @@ class Trial:
 EvalFn = Callable[[int, ReusePlan], tuple[bool, int, float, float]]
 
 
-def allowed_wrong(baseline: Sequence[bool], tolerance: float) -> int:
-    return sum(1 for b in baseline if not b) + math.floor(tolerance * len(baseline) + 1e-9)
+# One-sided 95% normal quantile.
+Z_ONE_SIDED_95 = 1.6449
+
+
+def paired_loss_bound(lost: int, gained: int, n: int, z: float = Z_ONE_SIDED_95) -> float:
+    """One-sided upper confidence bound of the accuracy a plan loses against no reuse on the same ``n`` paired
+    clips: the paired difference (lost − gained) / n plus ``z`` standard errors from the discordant pairs."""
+    if n <= 0:
+        return math.inf
+    diff = lost - gained
+    variance = max(lost + gained - diff * diff / n, 0.0)
+    return (diff + z * math.sqrt(variance)) / n
+
+
+def can_still_pass(lost: int, gained: int, n: int, could_gain: int, tolerance: float) -> bool:
+    """Whether some outcome of the clips not yet evaluated — each either agreeing with no reuse or, for the
+    ``could_gain`` ones no reuse got wrong, gained — leaves the bound within ``tolerance``."""
+    return any(paired_loss_bound(lost, gained + g, n) <= tolerance + 1e-12 for g in range(could_gain + 1))
 
 
 def saving_bound(candidate: CandidatePlan, num_steps: int, min_active_fraction: float = 0.05) -> float:
@@ -258,12 +283,11 @@ def sweep(
     tolerance: float = 0.01,
     on_trial: Callable[[Trial], None] | None = None,
 ) -> tuple[CandidatePlan | None, list[Trial]]:
-    """The candidate that saves the most measured compute (1 − computed-token fraction) among those within
-    ``tolerance`` of no reuse (``baseline[i]``: item i correct without reuse), or None.
+    """The candidate that saves the most measured compute (1 − computed-token fraction) among those whose paired
+    loss bound against no reuse (``baseline[i]``: item i correct without reuse) is within ``tolerance``, or None.
 
     Candidates are tried by decreasing ``saving_bound``; the search stops once no remaining candidate could beat
-    the best measured saving, and a candidate is rejected as soon as it has more wrong clips than allowed."""
-    limit = allowed_wrong(baseline, tolerance)
+    the best measured saving, and a candidate is rejected as soon as it can no longer pass."""
     order = sorted(grid, key=lambda c: (-saving_bound(c, num_steps), -c.k1, -c.threshold, c.alpha))
     trials: list[Trial] = []
     best: CandidatePlan | None = None
@@ -271,39 +295,54 @@ def sweep(
     for cand in order:
         if saving_bound(cand, num_steps) <= best_saving + 1e-12:
             break
-        plan = cand.plan(num_steps)
-        wrong = 0
-        steps: list[int] = []
-        tokens: list[float] = []
-        blocks: list[float] = []
-        early = False
-        for i in range(len(baseline)):
-            ok, s, tf, bf = evaluate(i, plan)
-            steps.append(s)
-            tokens.append(tf)
-            blocks.append(bf)
-            wrong += not ok
-            if wrong > limit:
-                early = i + 1 < len(baseline)
-                break
-        n = len(steps)
-        trial = Trial(
-            cand,
-            n,
-            wrong,
-            limit,
-            wrong <= limit,
-            early,
-            sum(steps) / n,
-            sum(tokens) / n,
-            sum(blocks) / n,
-        )
+        trial = _trial(cand, cand.plan(num_steps), baseline, evaluate, tolerance)
         trials.append(trial)
         if on_trial is not None:
             on_trial(trial)
         if trial.passed and 1.0 - trial.tokens_fraction_mean > best_saving + 1e-12:
             best, best_saving = cand, 1.0 - trial.tokens_fraction_mean
     return best, trials
+
+
+def _trial(
+    cand: CandidatePlan, plan: ReusePlan, baseline: Sequence[bool], evaluate: EvalFn, tolerance: float
+) -> Trial:
+    """One candidate over the paired clips, stopped once it can no longer pass."""
+    n = len(baseline)
+    lost = gained = wrong = 0
+    steps: list[int] = []
+    tokens: list[float] = []
+    blocks: list[float] = []
+    early = False
+    for i in range(n):
+        ok, s, tf, bf = evaluate(i, plan)
+        steps.append(s)
+        tokens.append(tf)
+        blocks.append(bf)
+        wrong += not ok
+        lost += baseline[i] and not ok
+        gained += ok and not baseline[i]
+        could_gain = sum(1 for b in baseline[i + 1 :] if not b)
+        if not can_still_pass(lost, gained, n, could_gain, tolerance):
+            early = i + 1 < n
+            break
+    evaluated = len(steps)
+    # The verdict is on all n clips: a stopped candidate counts the clips it did not run as agreeing (the most
+    # favourable outcome short of gains), which is still above the tolerance.
+    bound = paired_loss_bound(lost, gained, n)
+    return Trial(
+        cand,
+        evaluated,
+        wrong,
+        lost,
+        gained,
+        bound,
+        not early and bound <= tolerance + 1e-12,
+        early,
+        sum(steps) / evaluated,
+        sum(tokens) / evaluated,
+        sum(blocks) / evaluated,
+    )
 
 
 @dataclass

@@ -17,7 +17,7 @@ JSON report (stdout with ``--json``, and ``--out``)::
                       the pairs and negatives routed to each (negatives_max_similarity: what bounded the row),
                       dropped_rows, per-class similarity of the pairs (pair_classes) and negatives
                       (negative_classes), and per regime and row every candidate tried (k1/k2/k3, α, threshold,
-                      evaluated, wrong, allowed_wrong, passed, stopped_early, compute means) and the chosen one
+                      evaluated, wrong, lost, gained, loss_bound, passed, stopped_early, compute means) and the chosen one
     calibration_table path, provisional, source of the table the chorus rows used
     pair_classes      per class: n, similarity {mean,min,max} (MiniLM cosine), content_changes {mean,min,max},
                       planner_rows_<N> {row name or "none": count}

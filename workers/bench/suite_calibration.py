@@ -183,6 +183,9 @@ class Calibration:
                     "delta_all_correct": round((win.evaluated - win.wrong) / win.evaluated - base_acc, 4),
                     "steps_computed_mean": round(win.steps_computed_mean, 3),
                     "tokens_computed_fraction_mean": round(win.tokens_fraction_mean, 4),
+                    "lost": float(win.lost),
+                    "gained": float(win.gained),
+                    "loss_bound": round(win.loss_bound, 4),
                 }
             )
         entry = {

@@ -144,7 +144,7 @@ def test_sweep_picks_the_largest_measured_saving_within_tolerance() -> None:
         if i == 0:
             tried.append((k1, k2))
         if (k1, k2) == (3, 0):
-            ok = i % 2 == 0  # half wrong: rejected after its third wrong clip
+            ok = i % 2 == 0  # half wrong: rejected at its first lost clip
         elif (k1, k2) == (0, 3) and plan.alpha == 2.0:
             ok = baseline[i] and i != 17
         else:
@@ -153,27 +153,47 @@ def test_sweep_picks_the_largest_measured_saving_within_tolerance() -> None:
         fraction = (n - k1 - 0.5 * k2) / n
         return ok, n - k1, fraction, fraction
 
-    assert cal.allowed_wrong(baseline, 0.01) == 2
-    assert cal.allowed_wrong([True] * 100, 0.01) == 1
     chosen, trials = cal.sweep(n, grid, baseline, evaluate, tolerance=0.01)
     # bounds: (3,0) .75, (1,2) .725, (0,3) .7125, (2,0) .5 — (1,2) passes and saves .5, (0,3) passes but saves
     # .375, and nothing after (0,3) could save more than .5
     assert chosen == cal.CandidatePlan(1, 2, 2.0)
     assert tried == [(3, 0), (1, 2), (0, 3)]
     assert [t.passed for t in trials] == [False, True, True]
-    assert trials[0].stopped_early and trials[0].evaluated == 6 and trials[0].wrong == 3
+    assert trials[0].stopped_early and trials[0].evaluated == 2 and trials[0].lost == 1
     assert trials[1].evaluated == 20 and trials[1].tokens_fraction_mean == 0.5
 
 
 def test_sweep_rejects_at_the_end_without_stopping_early() -> None:
-    baseline = [True] * 18 + [False] * 2
+    baseline = [True] * 20
 
     def evaluate(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
-        return baseline[i] and i != 17, 2, 0.5, 0.5
+        return i != 19, 2, 0.5, 0.5
 
     chosen, [trial] = cal.sweep(4, [cal.CandidatePlan(2, 0)], baseline, evaluate)
     assert chosen is None and not trial.passed and not trial.stopped_early
-    assert trial.evaluated == 20 and trial.wrong == 3 and trial.allowed_wrong == 2
+    assert trial.evaluated == 20 and trial.wrong == 1 and (trial.lost, trial.gained) == (1, 0)
+
+
+def test_the_paired_bound_charges_churn_that_a_net_count_would_let_pass() -> None:
+    """Three clips lost and three gained nets to zero, but says the plan re-rolls fragile clips: rejected. No
+    discordant clip, or only gains, passes; a single loss needs several gains to be forgiven."""
+    tol = 0.01
+    assert cal.paired_loss_bound(0, 0, 64) == 0.0
+    assert cal.paired_loss_bound(3, 3, 64) > tol
+    assert cal.paired_loss_bound(0, 1, 100) <= tol
+    assert cal.paired_loss_bound(1, 0, 100) > tol
+    assert cal.paired_loss_bound(1, 1, 100) > tol
+    assert cal.paired_loss_bound(1, 6, 100) <= tol
+    baseline = [i % 2 == 0 for i in range(64)]
+
+    def churn(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
+        # wrong where no reuse was right for i in {0, 2, 4}, right where it was wrong for i in {1, 3, 5}
+        return (not baseline[i]) if i < 6 else baseline[i], 2, 0.5, 0.5
+
+    chosen, [trial] = cal.sweep(4, [cal.CandidatePlan(2, 0)], baseline, churn)
+    assert chosen is None and not trial.passed and (trial.lost, trial.gained) == (3, 3)
+    # the net count would have called it even; it is stopped once no gain left could rescue it
+    assert trial.wrong == sum(not b for b in baseline[: trial.evaluated])
 
 
 def test_written_table_is_what_the_planner_uses(tmp_path: Path) -> None:
