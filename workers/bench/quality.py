@@ -27,7 +27,10 @@ JSON report (stdout with ``--json``, and ``--out``)::
                         description, n, accuracy {color, shape, direction, background, all} ("all": every
                         judged attribute right, see settings.judge — all four unless --judge), all_correct_ci95,
                         steps_computed_mean, tokens_computed_fraction_mean, block_compute_fraction_mean,
-                        reused_fraction, fallbacks, seconds_mean; against the no-reuse clips of the same targets:
+                        reused_fraction, fallbacks, seconds_mean, stage2_steps, stage2_active_fraction_mean
+                        (what Stage 2 recomputed per step); chorus class rows: by_changed {changed attributes:
+                        {n, all_correct, no_reuse_all, stage2_steps, stage2_active_fraction_mean,
+                        tokens_computed_fraction_mean}}; against the no-reuse clips of the same targets:
                         no_reuse_all, delta_all_vs_no_reuse, lost, gained; cache-dit rows: cachedit {cache_passes_mean,
                         cached_steps_mean, computed_steps_mean, uncached_subset_passes_mean, block_calls_total,
                         expected_block_calls_total, skips_verified} and cachedit_settings; chorus rows: plans

@@ -42,6 +42,10 @@ class Outcome:
     frames: np.ndarray | None = None
     trajectory: Trajectory | None = None
     seconds: float = 0.0
+    # The active token fraction of every computed Stage-2 step: what selective region denoising recomputed.
+    stage2_fractions: tuple[float, ...] = ()
+    # The attributes the donor's prompt changed (set by the suite for donor pairs), for per-change summaries.
+    changed: tuple[str, ...] = ()
 
 
 def plan_label(plan: ReusePlan) -> str:
@@ -145,6 +149,7 @@ class QualityRunner:
             frames=out.frames if keep_frames else None,
             trajectory=out.trajectory if keep_trajectory else None,
             seconds=seconds,
+            stage2_fractions=tuple(s.active_fraction for s in out.steps if s.stage == 2 and s.computed),
         )
 
     def close(self) -> None:
@@ -226,8 +231,36 @@ class Row:
                 "expected_block_calls_total": sum(r.expected_block_calls for r in runs),
                 "skips_verified": all(r.skips_verified for r in runs),
             }
+        stage2 = [f for o in self.outcomes for f in o.stage2_fractions]
+        out["stage2_steps"] = len(stage2)
+        out["stage2_active_fraction_mean"] = round(_mean(stage2), 4) if stage2 else None
+        if any(o.changed for o in self.outcomes):
+            out["by_changed"] = _by_changed(self.outcomes, baseline)
         out.update(self.extra)
         return out
+
+
+def _by_changed(outcomes: Sequence[Outcome], baseline: Sequence[bool] | None) -> dict[str, dict[str, Any]]:
+    """Per set of changed attributes ("color", "shape+direction", …): how many, their all-attribute accuracy,
+    what Stage 2 recomputed per step and the computed-token fraction — so a reader sees the masks follow the
+    change (a color change touches the shape, a background change everything)."""
+    groups: dict[str, list[int]] = {}
+    for i, o in enumerate(outcomes):
+        groups.setdefault("+".join(o.changed) or "none", []).append(i)
+    summary: dict[str, dict[str, Any]] = {}
+    for key, idx in sorted(groups.items()):
+        stage2 = [f for i in idx for f in outcomes[i].stage2_fractions]
+        entry: dict[str, Any] = {
+            "n": len(idx),
+            "all_correct": round(_mean([float(outcomes[i].correct["all"]) for i in idx]), 4),
+            "stage2_steps": len(stage2),
+            "stage2_active_fraction_mean": round(_mean(stage2), 4) if stage2 else None,
+            "tokens_computed_fraction_mean": round(_mean([outcomes[i].tokens_fraction for i in idx]), 4),
+        }
+        if baseline is not None:
+            entry["no_reuse_all"] = round(_mean([float(baseline[i]) for i in idx]), 4)
+        summary[key] = entry
+    return summary
 
 
 ProgressFn = Callable[[int], None]

@@ -220,6 +220,7 @@ class StepCountBench:
                 self.frames[(n, t.index, "donor")] = (d_out.frames, d_out, f"donor ({cls})")
         if "chorus" in self.want:
             self.chorus(t, plan, donor, keep, rows.chorus)
+            rows.chorus.outcomes[-1].changed = info.pair.changed
         if "tgaa" in self.want and plan.reuses and plan.stage2_steps > 0 and plan.alpha > 1.0:
             self.alpha1(t, plan, donor, rows)
         if run_probe:
