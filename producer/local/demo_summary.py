@@ -35,6 +35,8 @@ class RequestSummary(BaseModel):
     plan_k2: int | None = None
     plan_k3: int | None = None
     hit: bool = False
+    # What the video is (``ReuseKind``: exact, stage1, stage2, none).
+    reuse_kind: str = "none"
     fallback: str | None = None
     steps_requested: int = 0
     steps_computed: int = 0
@@ -192,6 +194,7 @@ def summarize(
             "plan_k3": plan.stage3_steps if plan else None,
             # A hit saves compute: a plan that recomputed everything is not one (GenerationResult.saved_compute).
             "hit": result.saved_compute,
+            "reuse_kind": result.reuse.value,
             "fallback": result.fallback,
             "steps_requested": result.steps_requested,
             "steps_computed": result.steps_computed,
@@ -224,6 +227,7 @@ def request_table(summary: DemoSummary) -> Table:
         ("request", "left"),
         ("prompt", "left"),
         ("donor (similarity)", "left"),
+        ("reuse (saved)", "left"),
         ("plan k1/k2/k3", "center"),
         ("steps computed", "right"),
         ("tokens", "right"),
@@ -234,7 +238,7 @@ def request_table(summary: DemoSummary) -> Table:
     for r in summary.requests:
         if r.status != "done":
             why = escape((r.error or r.status)[:80])
-            table.add_row(escape(short(r.request_id)), escape(r.prompt), f"[red]{why}[/]", "", "", "", "", "")
+            table.add_row(escape(short(r.request_id)), escape(r.prompt), f"[red]{why}[/]", *[""] * 6)
             continue
         if r.donor_request_id is None:
             donor = "reuse off" if r.reuse == "off" else "-"
@@ -248,6 +252,7 @@ def request_table(summary: DemoSummary) -> Table:
             escape(short(r.request_id)),
             escape(r.prompt),
             donor,
+            _reuse_cell(r),
             f"{r.plan_k1}/{r.plan_k2}/{r.plan_k3}",
             f"{r.steps_computed}/{r.steps_requested}",
             f"{r.tokens_computed_fraction:.0%}",
@@ -255,6 +260,16 @@ def request_table(summary: DemoSummary) -> Table:
             _fmt(r.latency_s, ".2f"),
         )
     return table
+
+
+def _reuse_cell(r: RequestSummary) -> str:
+    """The result's reuse kind and the share of token-steps it did not compute; a plan that saved nothing says so."""
+    saved = 1.0 - r.tokens_computed_fraction
+    if r.hit:
+        return f"[green]{escape(r.reuse_kind)}[/] ({saved:.0%})"
+    if r.donor_request_id is not None:
+        return "[yellow]saved nothing[/]"
+    return "none"
 
 
 def print_report(console: Console, summary: DemoSummary, sheet: Path | None, out: Path) -> None:
