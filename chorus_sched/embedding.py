@@ -13,7 +13,9 @@ import itertools
 import math
 import os
 import re
+import threading
 import unicodedata
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
@@ -97,11 +99,57 @@ class HashingEmbedder:
         return out
 
 
+class CachedEmbedder:
+    """Another embedder behind a bounded cache of prompt → vector (least recently used goes first).
+
+    Each request's prompt was embedded twice: by intake to search for donors, and again by feedback to index the
+    finished request as a donor — the largest share of the scheduler's time per request (``chorus bench sched``:
+    MiniLM's forward passes). Traffic also repeats prompts (the same prompt with another seed, resubmissions), so
+    one cache serves both. Shared by the intake and feedback threads, hence the lock; embedding runs outside it.
+    """
+
+    def __init__(self, inner: Embedder, max_entries: int = 4096) -> None:
+        self.inner = inner
+        self.max_entries = max_entries
+        self._cache: OrderedDict[str, list[float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def dim(self) -> int:
+        return self.inner.dim
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        found: dict[str, list[float]] = {}
+        with self._lock:
+            for text in texts:
+                vector = self._cache.get(text)
+                if vector is not None:
+                    self._cache.move_to_end(text)
+                    found[text] = vector
+        missing = list(dict.fromkeys(t for t in texts if t not in found))
+        fresh = dict(zip(missing, self.inner.embed(missing), strict=True)) if missing else {}
+        with self._lock:
+            self.hits += len(texts) - len(missing)
+            self.misses += len(missing)
+            for text, vector in fresh.items():
+                self._cache[text] = vector
+                self._cache.move_to_end(text)
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        return [list(found.get(t) or fresh[t]) for t in texts]
+
+
 def make_embedder(kind: str, *, device: str = "cpu") -> Embedder:
     if kind == "minilm":
-        return MiniLMEmbedder(device=device)
+        return CachedEmbedder(MiniLMEmbedder(device=device))
     if kind == "hashing":
-        return HashingEmbedder()
+        return CachedEmbedder(HashingEmbedder())
     raise ValueError(f"unknown embedder {kind!r} (known: minilm, hashing)")
 
 

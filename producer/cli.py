@@ -38,6 +38,7 @@ bench_app.command("engine")(engine_bench.bench_engine)
 bench_app.command("quality")(quality_bench.bench_quality)
 bench_app.command("faults")(faults_bench.bench_faults)
 bench_app.command("serve")(serve_bench.bench_serve)
+bench_app.command("sched")(serve_bench.bench_sched)
 app.add_typer(bench_app, name="bench")
 
 

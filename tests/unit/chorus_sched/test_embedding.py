@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from chorus_sched.embedding import (
+    CachedEmbedder,
     Embedder,
     HashingEmbedder,
     MiniLMEmbedder,
@@ -143,3 +145,28 @@ def test_very_long_prompts_fall_back_to_the_block_heuristic() -> None:
     long = " ".join(f"w{i % 50}" for i in range(600))
     diff = word_diff(long, long + " extra")
     assert diff.target_only == ("extra",)
+
+
+class _Counting:
+    name, dim = "counting", 8
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.inner = HashingEmbedder(dim=8)
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        self.seen += texts
+        return self.inner.embed(texts)
+
+
+def test_cached_embedder_embeds_each_prompt_once_and_forgets_the_oldest() -> None:
+    inner = _Counting()
+    cached = CachedEmbedder(inner, max_entries=2)
+    first = cached.embed(["a red circle", "a blue square", "a red circle"])
+    assert inner.seen == ["a red circle", "a blue square"]
+    assert first[0] == first[2] == inner.inner.embed(["a red circle"])[0]
+    assert cached.embed(["a blue square"]) == [first[1]] and inner.seen == ["a red circle", "a blue square"]
+    cached.embed(["a green triangle"])  # evicts the least recently used: the red circle
+    cached.embed(["a red circle"])
+    assert inner.seen[-1] == "a red circle" and cached.hits == 2 and cached.misses == 4
+    assert cached.name == "counting" and cached.dim == 8

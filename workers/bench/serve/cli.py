@@ -147,3 +147,45 @@ def _table(report: dict[str, object]) -> None:
             entry["model"], "ratio", str(entry["compare"]["throughput_ratio"]), "", "", "", "", "", ""
         )
     Console().print(table)
+
+
+def bench_sched(
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the JSON report on stdout (otherwise a summary)."
+    ),
+    quick: bool = typer.Option(False, "--quick", help="60 direct, 200 at the rate, a backlog of 300."),
+    rate: float = typer.Option(
+        100.0, "--rate", min=1.0, help="Open-loop rate of the latency run (requests/s)."
+    ),
+    core: int | None = typer.Option(
+        None, "--core", min=0, help="Pin the process to this core (default: not pinned)."
+    ),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Also write the JSON report here."),
+) -> None:
+    """The scheduler's own cost per request, with workers that answer at once: added latency at a rate, the
+    highest sustained rate on one core, and a profile of where the time goes."""
+    from rich.console import Console
+
+    from workers.bench.serve.sched import SchedOptions, run_sched
+
+    err = Console(stderr=True)
+    options = SchedOptions(rate=rate, core=core)
+    if quick:
+        options = SchedOptions(rate=rate, core=core, latency_requests=200, backlog=300, direct_requests=60)
+    report = run_sched(options, say=err.print)
+    given = sys.argv[sys.argv.index("sched") + 1 :] if "sched" in sys.argv else []
+    report = {"command": shlex.join(["chorus", "bench", "sched", *given]), "quick": quick, **report}
+    text = json.dumps(report, indent=1)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    if as_json:
+        sys.stdout.write(text + "\n")
+        return
+    lat, sus = report["latency"], report["sustained"]
+    err.print(
+        f"added latency at {lat['rate']:g}/s: p50 {lat['added_ms']['p50']} ms, p99 {lat['added_ms']['p99']} ms; "
+        f"sustained {sus['rate']} requests/s ({sus['one_core_capacity']} on one core by CPU time); "
+        f"direct: {report['direct']['cpu_ms_per_request']} CPU ms per request, by phase (wall ms): "
+        f"{report['direct']['profile_wall_ms_per_request']}"
+    )

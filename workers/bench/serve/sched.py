@@ -1,0 +1,415 @@
+"""``chorus bench sched``: the scheduler's own cost per request, with workers that answer at once.
+
+The production scheduler (``chorus_sched.service.run``: both consumer loops, the SQLite ledger, Qdrant local
+mode, the MiniLM embedder, the shipped calibration table) runs in this process against the embedded Kafka-protocol
+broker (a helper process, as in ``chorus demo``). Its dispatcher is the one part replaced: ``InstantWorkers`` takes
+each order, notes the time and answers it at once with a ``done`` result on the results topic (from a thread of
+its own), so what is measured is the scheduler and nothing behind it. Requests are the ``mixed`` trace's toy
+prompts (``workers.bench.serve.trace``), so exact hits, coalescing, donor searches and plans all happen.
+
+First the handlers alone (``workers.bench.serve.sched_direct``: called directly, timed, then profiled). Then
+two measurements through Kafka (``--core N`` pins the process to one core with ``os.sched_setaffinity``; the broker helper
+keeps its own):
+
+1. **latency** at a fixed open-loop rate (default 100 requests/s): the added latency of each dispatched request,
+   from the bench handing it to its Kafka producer to the scheduler's order reaching the dispatcher
+   (consume, parse and validate, claim, exact-hit check, embed, search, plan, dispatch);
+2. **sustained rate**: a backlog of requests published before the scheduler reads them, drained as fast as it can;
+   the rate is requests handled per second of draining. On a machine other work shares, that wall-clock rate
+   says as much about the other work as about the scheduler, so the CPU time of the two consumer threads
+   (``/proc/self/task/<tid>/stat``: polls, handlers, commits) is read too: ``cpu_ms_per_request``, and its
+   inverse, ``one_core_capacity`` (requests per second one core could sustain). This run is profiled
+   (``cProfile`` on thread CPU time over both consumer threads' handlers); the report gives the CPU milliseconds
+   per request of each scheduler phase and the top functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from chorus_sched.batch import BatchOutcome, Message
+from chorus_sched.dispatch import Dispatcher
+from chorus_sched.service import Scheduler, build_scheduler, run
+from chorus_sched.settings import SchedulerSettings
+from producer import bus
+from producer.contract import GenerationRequest, GenerationResult, ResultStatus
+from producer.local.config import MOCK_KAFKA_API_VERSION
+from producer.local.standins import EmbeddedService, start_service
+from producer.orders import EvictOrder, WorkOrder, trajectory_prefix
+from workers.bench.serve import report, trace
+from workers.bench.serve.replay import Shape, requests_for
+from workers.bench.serve.sched_direct import profile_direct
+
+FORMAT = "chorus-bench-sched/1"
+Handler = Callable[[Sequence[Message]], BatchOutcome]
+SHAPE = Shape("toy", 4)
+# Where the profile's time goes, by the scheduler function that owns it (cumulative time; nested phases are
+# listed by their innermost owner, so the phases do not double count: see ``_phases``).
+PHASE_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "validate": ("parse_keyed_request",),
+    "claim": ("begin",),
+    "exact": ("admit",),
+    "embed": ("_embed_requests",),
+    "search": ("_candidates",),
+    "plan": ("plan",),
+    "dispatch": ("_record_dispatch", "generate"),
+    "feedback": ("handle_results",),
+}
+
+
+class InstantWorkers(Dispatcher):
+    """A dispatcher whose 'workers' answer each order at once: the order's time is noted and a ``done`` result
+    (with a trajectory URI, so the scheduler indexes a donor) goes to the results topic from a thread."""
+
+    def __init__(self, settings: SchedulerSettings) -> None:  # no Celery app: nothing is sent to a broker
+        self.broker_url = "instant://"
+        self.settings = settings
+        self.dispatched: dict[str, float] = {}
+        self._orders: queue.Queue[WorkOrder | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._answer, name="instant-workers", daemon=True)
+        self._thread.start()
+
+    def generate(self, order: WorkOrder) -> None:
+        self.dispatched[order.request.request_id] = time.monotonic()
+        self._orders.put(order)
+
+    def _answer(self) -> None:
+        producer = bus.make_producer(self.settings)
+        try:
+            while (order := self._orders.get()) is not None:
+                request = order.request
+                job = request.job_id
+                result = GenerationResult(
+                    request_id=request.request_id,
+                    tenant=request.tenant,
+                    status=ResultStatus.DONE,
+                    video_uri=f"s3://bench/videos/{job}.mp4",
+                    trajectory_uri=f"s3://bench/{trajectory_prefix(job)}",
+                    trajectory_bytes=1000,
+                    plan=order.plan,
+                    steps_computed=request.num_steps,
+                    steps_requested=request.num_steps,
+                    tokens_computed_fraction=1.0,
+                )
+                producer.send(self.settings.kafka_results_topic, key=job.encode(), value=result.to_bytes())
+                producer.flush()
+                self._orders.task_done()
+        finally:
+            producer.close(timeout=5)
+
+    def idle(self) -> bool:
+        return self._orders.unfinished_tasks == 0
+
+    def task_state(self, task_id: str) -> tuple[str, float | None]:
+        return "SUCCESS", None
+
+    def model_last_seen(self, model: str) -> float | None:
+        return time.time()
+
+    def forget(self, task_id: str) -> None:
+        pass
+
+    def mark_answered(self, task_id: str) -> None:
+        pass
+
+    def evict(self, order: EvictOrder) -> None:
+        pass
+
+    def close(self) -> None:
+        self._orders.put(None)
+        self._thread.join(timeout=10)
+
+
+@dataclass(frozen=True)
+class SchedOptions:
+    rate: float = 100.0
+    latency_requests: int = 1000
+    backlog: int = 2000
+    direct_requests: int = 200  # per pass of the direct measurement (``sched_direct``)
+    seed: int = 0
+    core: int | None = None  # None: not pinned
+    state_dir: Path | None = None
+
+
+@dataclass
+class _Harness:
+    settings: SchedulerSettings
+    scheduler: Scheduler
+    workers: InstantWorkers
+    profiles: dict[str, cProfile.Profile]
+    profiling: threading.Event
+    requests_before: int = 0
+    results_before: int = 0
+
+    def mark(self) -> None:
+        """Count the scheduler's handled requests and results from now on."""
+        self.requests_before = self.scheduler.stats.requests
+        self.results_before = self.scheduler.stats.results
+
+    def profiled(self, name: str, handle: Handler) -> Handler:
+        """``handle`` profiled while ``profiling`` is set (cProfile sees only the thread that enables it)."""
+        # Thread CPU time, not wall time: time spent waiting for a core another process holds is not the
+        # scheduler's cost.
+        profile = self.profiles[name] = cProfile.Profile(time.thread_time)
+
+        def wrapped(messages: Sequence[Message]) -> BatchOutcome:
+            if not self.profiling.is_set():
+                return handle(messages)
+            profile.enable()
+            try:
+                return handle(messages)
+            finally:
+                profile.disable()
+
+        return wrapped
+
+
+def run_sched(options: SchedOptions, say: Callable[[str], None]) -> dict[str, Any]:
+    root = options.state_dir or Path(tempfile.mkdtemp(prefix="chorus-sched-"))
+    root.mkdir(parents=True, exist_ok=True)
+    # Started before pinning: the broker keeps a core of its own.
+    kafka = start_service("kafka", log_path=root / "kafka.log")
+    core = _pin(options.core) if options.core is not None else None
+    direct = profile_direct(root / "direct", options.direct_requests, options.seed, say)
+    try:
+        with _scheduler(root, kafka) as harness:
+            where = f"on core {core}" if core is not None else "(not pinned)"
+            say(f"scheduler up {where}; {options.latency_requests} requests at {options.rate:g}/s")
+            latency = _latency(harness, options)
+            say(f"backlog of {options.backlog} requests, profiled")
+            sustained = _sustained(harness, options)
+    finally:
+        kafka.stop()
+    if options.state_dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "format": FORMAT,
+        "machine": {"cores": os.cpu_count(), "pinned_core": core, "load_average": list(os.getloadavg())},
+        "embedder": harness.settings.embedder,
+        "direct": direct,
+        "latency": latency,
+        "sustained": sustained,
+    }
+
+
+def _pin(core: int) -> int | None:
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+LOOP_THREADS = ("chorus-requests", "chorus-results")
+
+
+def loop_cpu_s() -> float:
+    """CPU seconds (user + system) the scheduler's consumer-loop threads have used so far (Linux; 0 elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name not in LOOP_THREADS or thread.native_id is None:
+            continue
+        try:
+            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[
+            1
+        ].split()  # after the command name: state is first, utime 12th, stime 13th
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+@contextlib.contextmanager
+def _scheduler(root: Path, kafka: EmbeddedService) -> Iterator[_Harness]:
+    settings = SchedulerSettings(
+        state_dir=root,
+        kafka_bootstrap=kafka.address,
+        kafka_api_version=MOCK_KAFKA_API_VERSION,
+        kafka_metadata_max_age_ms=1000,
+        instance_id="bench-sched",
+    )
+    _create_topics(settings)
+    workers = InstantWorkers(settings)
+    scheduler, close = build_scheduler(settings, dispatcher=workers)
+    harness = _Harness(settings, scheduler, workers, {}, threading.Event())
+    # ``run`` hands the loops these attributes; the instance's own shadow the class' methods.
+    scheduler.handle_requests = harness.profiled("requests", scheduler.handle_requests)  # type: ignore[method-assign,assignment]
+    scheduler.handle_results = harness.profiled("results", scheduler.handle_results)  # type: ignore[method-assign,assignment]
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=run, args=(settings, stop), kwargs={"scheduler": scheduler, "on_ready": ready.set}, daemon=True
+    )
+    thread.start()
+    try:
+        if not ready.wait(120):
+            raise RuntimeError("the scheduler did not start within 120 s")
+        time.sleep(3)  # the consumer groups' first assignment
+        yield harness
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        close()
+
+
+def _create_topics(settings: SchedulerSettings) -> None:
+    producer = bus.make_producer(settings)
+    try:
+        for topic in (
+            settings.kafka_requests_topic,
+            settings.kafka_results_topic,
+            settings.kafka_dead_letter_topic,
+        ):
+            deadline = time.monotonic() + 30
+            while not producer.partitions_for(topic):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"topic {topic} was not created")
+                time.sleep(0.1)
+    finally:
+        producer.close(timeout=5)
+
+
+def _requests(options: SchedOptions, n: int, tag: str) -> list[GenerationRequest]:
+    items = trace.generate(trace.TraceSpec(requests=n, seed=options.seed))
+    return requests_for(items, SHAPE, prefix=f"{tag}-", reuse="auto")
+
+
+def _latency(harness: _Harness, options: SchedOptions) -> dict[str, Any]:
+    requests = _requests(options, options.latency_requests, "lat")
+    harness.mark()
+    producer = bus.make_producer(harness.settings, linger_ms=0)
+    sent: dict[str, float] = {}
+    start = time.monotonic()
+    try:
+        for i, request in enumerate(requests):
+            due = start + i / options.rate
+            time.sleep(max(0.0, due - time.monotonic()))
+            value = request.model_copy(update={"submitted_at": _now()}).to_bytes()
+            sent[request.request_id] = time.monotonic()
+            producer.send(harness.settings.kafka_requests_topic, key=request.request_id.encode(), value=value)
+        producer.flush(timeout=30)
+    finally:
+        producer.close(timeout=5)
+    offered_s = time.monotonic() - start
+    _wait_settled(harness, requests, timeout_s=600)
+    added = [harness.workers.dispatched[r] - sent[r] for r in sent if r in harness.workers.dispatched]
+    ms = [a * 1000 for a in added]
+    return {
+        "rate": options.rate,
+        "offered_rate": round(len(requests) / offered_s, 1),
+        "requests": len(requests),
+        "dispatched": len(added),
+        "answered_without_order": len(requests) - len(added),
+        "added_ms": {f"p{q}": round(report.percentile(ms, q), 2) for q in (50, 95, 99)}
+        | {"max": round(max(ms, default=float("nan")), 2)},
+    }
+
+
+def _sustained(harness: _Harness, options: SchedOptions) -> dict[str, Any]:
+    """A backlog drained as fast as the scheduler can: requests per second, and the profile of the drain."""
+    requests = _requests(options, options.backlog, "bl")
+    stats = harness.scheduler.stats
+    harness.mark()
+    before = stats.requests
+    harness.profiling.set()
+    producer = bus.make_producer(harness.settings)
+    cpu_before = loop_cpu_s()
+    start = time.monotonic()
+    try:
+        for request in requests:
+            value = request.model_copy(update={"submitted_at": _now()}).to_bytes()
+            producer.send(harness.settings.kafka_requests_topic, key=request.request_id.encode(), value=value)
+        producer.flush(timeout=60)
+    finally:
+        producer.close(timeout=5)
+    published_s = time.monotonic() - start
+    drained = _wait_settled(harness, requests, timeout_s=1200)
+    cpu_s = loop_cpu_s() - cpu_before
+    harness.profiling.clear()
+    drain_s = drained - start
+    handled = stats.requests - before
+    phases, top = _profile_summary(harness.profiles, handled)
+    return {
+        "requests": len(requests),
+        "handled": handled,
+        "publish_s": round(published_s, 2),
+        "drain_s": round(drain_s, 2),
+        "rate": round(handled / drain_s, 1) if drain_s > 0 else None,
+        "wall_ms_per_request": round(drain_s / handled * 1000, 3) if handled else None,
+        "cpu_ms_per_request": round(cpu_s / handled * 1000, 3) if handled else None,
+        "one_core_capacity": round(handled / cpu_s, 1) if cpu_s > 0 else None,
+        "ms_per_request": phases,
+        "top_functions": top,
+    }
+
+
+def _wait_settled(harness: _Harness, requests: Sequence[GenerationRequest], *, timeout_s: float) -> float:
+    """Wait until the scheduler has read every request and the result of every order it sent; returns the
+    monotonic time it had. Counted from its own stats (asking Kafka would take this core from it)."""
+    stats, workers = harness.scheduler.stats, harness.workers
+    want = {r.request_id for r in requests}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sent = sum(1 for r in want if r in workers.dispatched)
+        handled = stats.requests - harness.requests_before
+        answered = stats.results - harness.results_before
+        if handled >= len(want) and answered >= sent and workers.idle():
+            return time.monotonic()
+        time.sleep(0.02)
+    raise RuntimeError(f"the scheduler did not catch up within {timeout_s:.0f} s")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _profile_summary(
+    profiles: dict[str, cProfile.Profile], handled: int
+) -> tuple[dict[str, float], list[str]]:
+    """Milliseconds per request of each phase (cumulative time of its functions), and the top functions by own
+    time across both consumer threads."""
+    merged: pstats.Stats | None = None
+    for profile in profiles.values():
+        stats = pstats.Stats(profile)
+        if merged is None:
+            merged = stats
+        else:
+            merged.add(stats)
+    if merged is None or handled == 0:
+        return {}, []
+    raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = merged.stats  # type: ignore[attr-defined]
+    total = sum(tt for (_, _, tt, _, _) in raw.values())
+    phases = {
+        phase: round(
+            sum(ct for (path, _, func), (_, _, _, ct, _) in raw.items() if func in names and _ours(path))
+            / handled
+            * 1000,
+            3,
+        )
+        for phase, names in PHASE_FUNCTIONS.items()
+    }
+    phases["all_handlers"] = round(total / handled * 1000, 3)
+    out = io.StringIO()
+    merged.stream = out  # type: ignore[attr-defined]
+    merged.sort_stats("tottime").print_stats(15)
+    lines = [ln.rstrip() for ln in out.getvalue().splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if "ncalls" in ln), 0)
+    return phases, lines[start:]
+
+
+def _ours(path: str) -> bool:
+    return "site-packages" not in path and any(p in path for p in ("chorus_sched", "producer", "workers"))
