@@ -99,6 +99,6 @@ def latent_mask(token_mask: torch.Tensor, grid: tuple[int, int, int], patch: Seq
     """Expand a ``(S,)`` token mask to a ``(1, 1, F', H', W')`` mask over latent elements."""
     f, h, w = grid
     pt, ph, pw = patch
-    m = token_mask.reshape(f, h, w)
-    m = m.repeat_interleave(pt, 0).repeat_interleave(ph, 1).repeat_interleave(pw, 2)
-    return m[None, None]
+    # one broadcast copy instead of three repeat_interleave passes (this runs on every Stage-2 step)
+    m = token_mask.reshape(f, 1, h, 1, w, 1).expand(f, pt, h, ph, w, pw)
+    return m.reshape(f * pt, h * ph, w * pw)[None, None]

@@ -10,7 +10,9 @@ compute only a subset of latent tokens when an ``SRDContext`` says so:
 - ``proj_out`` (tail hook): scatters the ``(B, S_active, C·p)`` projection back to ``(B, S, C·p)`` (zeros at
   inactive tokens, which the engine replaces by the donor's model output) so unpatchify sees the full grid;
 - ``condition_embedder.text_embedder`` (text cache hook): returns the cached text projection when it is called
-  again on the very same prompt tensor (it does not depend on the timestep), so it is computed once per request.
+  again on the very same prompt tensor (it does not depend on the timestep), so it is computed once per request;
+- ``rope`` (rope cache hook): the full-grid rotary table depends only on the latent's shape (the module reads
+  nothing else of its input), so it is built once per shape instead of on every pass.
 
 With ``SRDContext.active_index`` = None every hook is a pass-through. The context is only valid for Wan2.1-style
 per-sample timestep embeddings (``temb`` of shape ``(B, 6, D)``); the engine always passes those.
@@ -31,6 +33,7 @@ HEAD_HOOK = "chorus_srd_head"
 ROPE_HOOK = "chorus_srd_rope"
 TAIL_HOOK = "chorus_srd_tail"
 TEXT_HOOK = "chorus_text_cache"
+ROPE_CACHE_HOOK = "chorus_rope_cache"
 
 
 @dataclass
@@ -157,6 +160,26 @@ class _TextCacheHook(ModelHook):
         return out
 
 
+class _RopeCacheHook(ModelHook):
+    """On ``rope``: ``WanRotaryPosEmbed.forward`` reads only its input's shape, and rebuilding the (float64)
+    table (two concatenations over the whole grid) is a fixed cost of every pass, SRD or not; one table per shape
+    is kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key: tuple[Any, ...] | None = None
+        self._out: Any = None
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else next(iter(kwargs.values()))
+        freqs: Any = module.freqs_cos
+        key = (tuple(hidden.shape), hidden.device, freqs.data_ptr())
+        if key != self._key:
+            forward: Any = self.fn_ref.original_forward
+            self._out, self._key = forward(*args, **kwargs), key
+        return self._out
+
+
 def apply_srd_hooks(transformer: Any, ctx: SRDContext) -> None:
     """Register the SRD and text-cache hooks on ``transformer`` (once; raises if already there)."""
     blocks = transformer.blocks
@@ -175,6 +198,9 @@ def apply_srd_hooks(transformer: Any, ctx: SRDContext) -> None:
     )
     text_embedder = transformer.condition_embedder.text_embedder
     HookRegistry.check_if_exists_or_initialize(text_embedder).register_hook(_TextCacheHook(ctx), TEXT_HOOK)
+    HookRegistry.check_if_exists_or_initialize(transformer.rope).register_hook(
+        _RopeCacheHook(), ROPE_CACHE_HOOK
+    )
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
     log.debug("SRD hooks applied", extra={"blocks": len(blocks)})
 
@@ -188,4 +214,5 @@ def remove_srd_hooks(transformer: Any) -> None:
     HookRegistry.check_if_exists_or_initialize(transformer.proj_out).remove_hook(TAIL_HOOK, recurse=False)
     text_embedder = transformer.condition_embedder.text_embedder
     HookRegistry.check_if_exists_or_initialize(text_embedder).remove_hook(TEXT_HOOK, recurse=False)
+    HookRegistry.check_if_exists_or_initialize(transformer.rope).remove_hook(ROPE_CACHE_HOOK, recurse=False)
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()

@@ -44,6 +44,14 @@ class CrossAttnState:
     _map_sum: torch.Tensor | None = field(default=None, repr=False)
     _map_terms: int = field(default=0, repr=False)
     _kv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    # per layer: (keys, logit bias) as last seen and what ``_record`` derives from them: the recorded row's keys
+    # as (H, d, L) float32 times 1/sqrt(d), and its bias as (1, 1, L) float32
+    _map_keys: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=dict, repr=False
+    )
+    _bias: torch.Tensor | None = field(default=None, repr=False)
+    _bias_key: tuple[Any, ...] | None = field(default=None, repr=False)
+    _positions: tuple[tuple[int, ...], torch.device, torch.Tensor] | None = field(default=None, repr=False)
 
     def set_amplification(
         self,
@@ -55,22 +63,31 @@ class CrossAttnState:
         device: torch.device,
         dtype: torch.dtype,
     ) -> bool:
-        """Install a log(α) bias on ``positions`` of ``cond_rows``; returns whether anything was installed."""
+        """Install a log(α) bias on ``positions`` of ``cond_rows``; returns whether anything was installed.
+
+        The bias of the last call is kept: every TGAA step of a request asks for the same one, and building it
+        (three small tensor ops) is a noticeable share of a small Stage-2 step."""
         if alpha == 1.0 or not positions:
             self.bias = None
             return False
-        bias = torch.zeros(batch, 1, 1, text_len, device=device, dtype=dtype)
-        pos = torch.tensor(positions, device=device, dtype=torch.long)
-        for row in cond_rows:
-            bias[row, 0, 0, pos] = math.log(alpha)
-        self.bias = bias
+        key = (tuple(positions), alpha, batch, text_len, tuple(cond_rows), device, dtype)
+        if self._bias_key != key or self._bias is None:
+            bias = torch.zeros(batch, 1, 1, text_len, device=device, dtype=dtype)
+            pos = torch.tensor(positions, device=device, dtype=torch.long)
+            for row in cond_rows:
+                bias[row, 0, 0, pos] = math.log(alpha)
+            self._bias, self._bias_key = bias, key
+        self.bias = self._bias
         return True
 
     def clear_amplification(self) -> None:
         self.bias = None
 
     def start_maps(self, positions: list[int], cond_row: int, device: torch.device) -> None:
-        self.map_positions = torch.tensor(positions, device=device, dtype=torch.long)
+        key = tuple(positions)
+        if self._positions is None or self._positions[:2] != (key, device):
+            self._positions = (key, device, torch.tensor(positions, device=device, dtype=torch.long))
+        self.map_positions = self._positions[2]
         self.cond_row = cond_row
         self._map_sum = None
         self._map_terms = 0
@@ -90,12 +107,13 @@ class CrossAttnState:
 
     def clear_kv_cache(self) -> None:
         self._kv.clear()
+        self._map_keys.clear()
 
     def _accumulate(self, probs_sum: torch.Tensor, terms: int) -> None:
         if self._map_sum is None:
-            self._map_sum = probs_sum
+            self._map_sum = probs_sum  # a fresh tensor ``_record`` made: safe to add into
         else:
-            self._map_sum = self._map_sum + probs_sum
+            self._map_sum.add_(probs_sum)
         self._map_terms += terms
 
 
@@ -171,24 +189,35 @@ class ChorusCrossAttnProcessor:
         state = self.state
         assert state.map_positions is not None
         row = state.cond_row
-        q = query[row].float()  # (S, H, d)
-        k = key[row].float()  # (L, H, d)
-        s_len, heads, dim = q.shape
-        l_len = k.shape[0]
-        bias = mask[row].float().reshape(1, 1, -1) if mask is not None else None
-        scale = 1.0 / math.sqrt(dim)
+        s_len, heads, dim = query.shape[1:]
+        keys_t, bias = self._map_keys(key, mask, row, dim)  # (H, d, L), (1, 1, L) or None
+        l_len = keys_t.shape[2]
+        q = query[row].float().transpose(0, 1)  # (H, S, d)
         chunk = max(1, _MAP_CHUNK_ELEMENTS // max(1, s_len * l_len))
         total = None
         for h0 in range(0, heads, chunk):
-            qh = q[:, h0 : h0 + chunk].transpose(0, 1)  # (h, S, d)
-            kh = k[:, h0 : h0 + chunk].transpose(0, 1)  # (h, L, d)
-            logits = torch.bmm(qh, kh.transpose(1, 2)) * scale  # (h, S, L)
-            if bias is not None:
-                logits = logits + bias
-            probs = torch.softmax(logits, dim=-1).index_select(2, state.map_positions).sum(0)  # (S, V)
+            kh = keys_t[h0 : h0 + chunk]
+            qh = q[h0 : h0 + chunk]
+            logits = torch.bmm(qh, kh) if bias is None else torch.baddbmm(bias, qh, kh)  # (h, S, L)
+            probs = torch.softmax(logits, dim=-1).sum(0).index_select(1, state.map_positions)  # (S, V)
             total = probs if total is None else total + probs
         assert total is not None
         state._accumulate(total, heads)
+
+    def _map_keys(
+        self, key: torch.Tensor, mask: torch.Tensor | None, row: int, dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The recorded row's keys, transposed for ``bmm`` and pre-scaled by 1/sqrt(d), and its logit bias; kept
+        per layer while the keys are the very same tensor (the K/V cache hands the same one to every step of a
+        request) and the bias too, since these few small ops repeat in every block of every pass otherwise."""
+        state = self.state
+        cached = state._map_keys.get(self.layer)
+        if cached is not None and cached[0] is key and cached[1] is mask:
+            return cached[2], cached[3]
+        keys_t = (key[row].float() * (1.0 / math.sqrt(dim))).permute(1, 2, 0).contiguous()
+        bias = mask[row].float().reshape(1, 1, -1) if mask is not None else None
+        state._map_keys[self.layer] = (key, mask, keys_t, bias)
+        return keys_t, bias
 
 
 def install_cross_attn_processors(transformer: Any, state: CrossAttnState) -> dict[str, Any]:
