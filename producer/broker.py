@@ -99,7 +99,11 @@ def celery_config(settings: BrokerSettings) -> dict[str, Any]:
             processed_folder=str(dirs["processed"]),
             control_folder=str(dirs["control"]),
             store_processed=False,
-            polling_interval=0.25,
+            # How often an idle worker looks for its next order. With prefetch 1 a worker takes the next order
+            # only after acknowledging the last, so an order waited half of this on average after its
+            # predecessor ended (chorus bench serve: 0.13 s median between a result and the next order's start
+            # at 0.25 s, against 0.17 s of denoising per toy request). A listing of the queue folder is cheap.
+            polling_interval=0.02,
         )
     return {
         "broker_url": broker_url,

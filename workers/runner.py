@@ -305,8 +305,9 @@ class Runner:
         progress: Progress | None,
     ) -> GenerationOutput:
         """Run the engine (a leader streams its trajectory meanwhile); count the fallback it reports."""
-        if order.role is Role.LEADER:
-            uploader.start()
+        # Every role streams its trajectory while the engine runs (a leader must, for its followers): the uploads
+        # overlap the denoising instead of following it, and the result waits only for what is left.
+        uploader.start()
         try:
             with loaded.lock:
                 output = self._generate(loaded.engine, order, given, source, uploader, clock, progress)
@@ -315,7 +316,7 @@ class Runner:
             # A leader that failed may have streamed part of its trajectory: nobody must take it for a donor.
             self._discard_trajectory(order.request.job_id, uploader)
             raise
-        uploader.stop()
+        # The uploads still queued drain while the video is encoded and stored (``_store_outputs`` waits for them).
         if output.fallback_cause is not None:
             worker_metrics.count_fallback(output.fallback_cause)
             if output.fallback_cause is FallbackCause.DONOR_INCOMPATIBLE:
@@ -331,10 +332,15 @@ class Runner:
         """Encode and store the video, and the trajectory (if it cannot be stored the request is still served,
         it just cannot become a donor): (video uri, trajectory uri, trajectory bytes)."""
         job, fmt = order.request.job_id, self.settings.video_format
-        with clock.phase("decode"):
-            video_bytes = encode_video(output, fmt)
+        try:
+            with clock.phase("decode"):
+                video_bytes = encode_video(output, fmt)
+            with clock.phase("upload"):
+                stored_video = self.store.put(video_key(job, fmt), video_bytes, video.CONTENT_TYPES[fmt])
+        except BaseException:
+            uploader.stop()  # no result will name this trajectory: stop streaming it before the request fails
+            raise
         with clock.phase("upload"):
-            stored_video = self.store.put(video_key(job, fmt), video_bytes, video.CONTENT_TYPES[fmt])
             try:
                 report = uploader.finish(output.trajectory)
             except StoreError as exc:

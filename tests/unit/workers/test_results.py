@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -107,6 +108,20 @@ def test_phase_clock_adds_and_moves_time_without_going_negative() -> None:
     assert timings.upload_s >= 0.0
     with pytest.raises(KeyError):
         clock.add("dance", 1.0)
+
+
+def test_phase_clock_counts_the_worker_time_from_the_task_start() -> None:
+    started = time.perf_counter() - 2.0  # the task began two seconds ago
+    clock = PhaseClock(started)
+    clock.add("prepare", 0.5)
+    timings = clock.timings(queue_s=1.0)
+    assert timings.prepare_s == 0.5 and timings.worker_s >= 2.0
+
+
+def test_a_timing_a_reader_does_not_know_is_ignored() -> None:
+    raw = PhaseTimings(denoise_s=1.0).model_dump() | {"teleport_s": 0.1}
+    result = GenerationResult(request_id="r", status=ResultStatus.DONE, timings=raw)
+    assert result.timings.denoise_s == 1.0
 
 
 def test_queue_seconds_is_measured_from_acceptance() -> None:

@@ -29,7 +29,7 @@ import typer
 
 from workers.bench.serve.trace import TraceKind
 
-QUICK_HELP = "Smaller traces (toy 48, mid 24 requests): under 5 minutes on 2 cores."
+QUICK_HELP = "Smaller traces (toy 32, mid 16 requests): about 5 minutes on 2 cores."
 
 
 @contextmanager
