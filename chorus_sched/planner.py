@@ -7,6 +7,9 @@ least ``min_similarity`` and at most ``max_content_changes`` word slots differ o
 are left out. Stage lengths are fractions of N: ``k1`` (Stage 1, reuse the donor's latent) and ``k2`` (Stage
 2, recompute only divergent tokens), rounded down; Stage 3 gets the rest, always at least one step.
 
+A ``verification`` section (per table, or per regime) holds the thresholds by which the worker checks a Stage-1
+donor with the model before trusting it (``VerificationThresholds``; defaults apply when a table has none).
+
 The shipped table is measured: ``chorus bench quality --calibrate`` on the trained toy model wrote it with
 ``write_calibration`` (its ``source`` is the command, each row's ``measured`` what it was accepted on). A table
 marked ``provisional`` (hand-written, not measured) still loads, with a warning.
@@ -28,7 +31,7 @@ from typing import Literal, Protocol, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from chorus_sched.embedding import WordDiff
-from producer.contract import ReusePlan
+from producer.contract import DonorVerification, ReusePlan
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +91,37 @@ class CalibrationRow(_Strict):
         return admits(self, similarity, content_changes)
 
 
+class VerificationThresholds(_Strict):
+    """When a plan reuses Stage 1, the worker checks the donor with the model (``producer.contract.DonorVerification``
+    says how). The defaults are provisional, from a prototype on the first toy model at 4 steps (the signal's
+    median was 0.006 for paraphrases, 0.024 for shape changes, 0.08–0.37 for colour, direction and background
+    changes), until a calibration measures them."""
+
+    enabled: bool = True
+    accept_max: float = Field(default=0.01, ge=0.0, allow_inf_nan=False)
+    # no shorten band: shorten_max = accept_max (a number, since a written table leaves None fields out)
+    shorten_max: float = Field(default=0.03, ge=0.0, allow_inf_nan=False)
+    shorten_fraction: float = Field(default=0.5, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.shorten_max < self.accept_max:
+            raise ValueError("verification: shorten_max must not be below accept_max")
+        return self
+
+    def for_plan(self) -> DonorVerification | None:
+        if not self.enabled:
+            return None
+        return DonorVerification(
+            accept_max=self.accept_max, shorten_max=self.shorten_max, shorten_fraction=self.shorten_fraction
+        )
+
+
 class Regime(_Strict):
     name: str = Field(min_length=1)
     max_steps: int = Field(ge=1, description="applies to N up to this (and above the previous regime's)")
     rows: list[CalibrationRow]
+    verification: VerificationThresholds | None = None  # None: the table's
 
     @model_validator(mode="after")
     def _rows_reachable(self) -> Self:
@@ -119,6 +149,7 @@ class CalibrationTable(_Strict):
     embedder: str = Field(min_length=1, description="similarities are on this embedder's scale")
     ignorable_words: list[str] = Field(default_factory=list)
     regimes: list[Regime] = Field(min_length=1)
+    verification: VerificationThresholds = Field(default_factory=VerificationThresholds)
 
     @model_validator(mode="after")
     def _regimes_cover_all_steps(self) -> Self:
@@ -232,6 +263,7 @@ class Planner:
                 min_active_fraction=row.min_active_fraction,
                 max_active_fraction=row.max_active_fraction,
                 tgaa_in_stage3=row.tgaa_in_stage3,
+                verification=(regime.verification or self.table.verification).for_plan() if k1 > 0 else None,
                 **{
                     k: v
                     for k, v in (("mask_dilation", row.mask_dilation), ("mask_levels", row.mask_levels))

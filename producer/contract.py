@@ -216,6 +216,30 @@ class ReuseKind(StrEnum):
     NONE = "none"
 
 
+class DonorVerification(_Wire):
+    """Thresholds of a model-verified donor (``workers.engine.verify``): the target's first computed prediction, on
+    the donor's latent after Stage 1, against the donor's recorded one as ``mean((m_t − m_d)²) / mean(m_d²)``. At
+    most ``accept_max``: the plan runs; at most ``shorten_max``: Stage 1 keeps ``shorten_fraction`` of its steps;
+    above: the donor is dropped and the request computed in full."""
+
+    accept_max: float = Field(ge=0.0, allow_inf_nan=False)
+    shorten_max: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    shorten_fraction: float = Field(default=0.5, ge=0.0, lt=1.0)
+
+
+class VerificationReport(_Wire):
+    """What donor verification measured and decided; ``signal`` None: not measurable (the donor's output at
+    ``step`` could not be read), the plan ran unverified. ``wasted_seconds``: the verification pass thrown away."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    decision: Literal["accepted", "shortened", "rejected", "unverified"]
+    signal: float | None = Field(default=None, ge=0.0)
+    step: int = Field(ge=0, description="the step compared: the plan's first computed one")
+    stage1_steps: int = Field(ge=0, description="Stage-1 steps run after the decision")
+    wasted_seconds: float = Field(default=0.0, ge=0.0)
+
+
 class ReusePlan(_Wire):
     """How the N denoising steps split into the three stages, and how Stage 2 behaves.
 
@@ -235,6 +259,8 @@ class ReusePlan(_Wire):
     # pools the attention score over 2**(levels-1) × 2**(levels-1) token blocks, each later step halves that).
     mask_dilation: int = Field(default=1, ge=0, le=16)
     mask_levels: int = Field(default=3, ge=1, le=6)
+    # Check the donor with the model before trusting its Stage 1 (None: trust the planner's similarity alone).
+    verification: DonorVerification | None = None
 
     @model_validator(mode="after")
     def _ordered_fractions(self) -> Self:
@@ -354,6 +380,7 @@ class GenerationResult(_Wire):
         default=False,
         description="True when the prompt was longer than the model's text token budget and its end was cut",
     )
+    verification: VerificationReport | None = Field(default=None, description="the donor check, if one ran")
 
     @property
     def saved_compute(self) -> bool:

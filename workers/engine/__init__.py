@@ -11,11 +11,12 @@ Public API — the worker, the benchmark and the demo call exactly this::
     out = engine.generate(request_b, plan, donor=leader.trajectory)          # any DonorSource
     out.frames                    # uint8 (F, H, W, 3)
     out.steps_computed, out.tokens_computed_fraction, out.fallback, out.stage_seconds, out.decode_seconds
+    out.verification              # the model's check of the donor (plan.verification), if one ran
     blob = out.trajectory.to_bytes("float16"); Trajectory.from_bytes(blob)  # or encode_header / encode_step
 
 Signatures
     load_bundle(name, *, device="cpu", dtype="float32", wan21_dir=None, toy_weights_dir=None) -> ModelBundle
-    Engine(bundle, *, record_attn_maps=True, cache_text=True)
+    Engine(bundle, *, record_attn_maps=True, cache_text=True, prompt_cache_size=64)
     Engine.generate(request, plan, donor=None, *, on_step=None, on_start=None, progress=False,
                     refuse_incompatible=True) -> GenerationOutput
     prefetch_donor(source, plan, num_steps, *, name) -> PrefetchedDonor   (request_run: read a finished donor now)
@@ -36,13 +37,19 @@ Behaviour
     donor data is unavailable → that step in full. Incompatible donor → ``IncompatibleDonor`` (raised), or with
     ``refuse_incompatible=False`` every step in full. The engine alone decides each fallback: ``out.fallback`` says
     why, ``out.fallback_cause`` what kind it is (``fallback.FallbackCause``), ``out.donor_gone`` whether the donor
-    can never serve again.
+    can never serve again. With ``plan.verification`` set and k1 > 0, the donor is checked by the model first
+    (``verify``): the first computed step on the donor's latent is compared with the donor's recorded output there;
+    accepted, it is that step (no extra cost); otherwise Stage 1 is shortened or the donor dropped (a fallback of
+    cause ``verification_shortened`` / ``verification_rejected``), and ``out.verification`` says what and why.
+    Prompt encodings are cached per (weights id, prompt) in a bounded LRU (``prompt_cache``).
 
-Modules: ``registry`` (models), ``engine`` (the loop), ``request_run`` (per-request state, donor resolution and
-Stage 1, donor reads), ``output`` (``GenerationOutput``, ``StepStat``), ``instrumentation`` (installs the hooks and
-processors), ``srd`` (gather/scatter hooks), ``tgaa`` (attn2 processor: amplification, map recording, text K/V
-cache), ``masks``, ``tokens`` (prompt diff), ``trajectory`` (records, metadata, serialization), ``errors``,
-``fallback`` (why a planned reuse did not happen), ``bundle`` (the model interface). The commands that run it live
+Modules: ``registry`` (models), ``engine`` (the loop), ``steps`` (one full or Stage-2 step), ``request_run``
+(per-request state, donor resolution and Stage 1, donor reads), ``verify`` (model-verified donors),
+``prompt_cache`` (prompt encodings), ``output`` (``GenerationOutput``, ``StepStat``), ``instrumentation`` (installs
+the hooks and processors), ``srd`` (gather/scatter hooks, rotary-table cache), ``tgaa`` (attn2 processor:
+amplification, map recording, text K/V cache), ``masks``, ``tokens`` (prompt diff), ``trajectory`` (records,
+metadata, serialization), ``errors``, ``fallback`` (why a planned reuse did not happen), ``bundle`` (the model
+interface). The commands that run it live
 above it: ``chorus generate`` in ``workers/generate.py``, ``chorus bench engine`` in ``workers/bench/engine_cli.py``.
 
 Attributes are imported lazily so that ``import workers.engine`` (e.g. by the CLI) stays cheap.

@@ -19,6 +19,8 @@ class FallbackCause(StrEnum):
     DONOR_INCOMPATIBLE = "donor_incompatible"  # the engine refused the donor (shape, scheduler, weights)
     LEADER_WAIT_TIMEOUT = "leader_wait_timeout"  # a follower waited for its leader's step in vain
     DONOR_STEP_UNAVAILABLE = "donor_step_unavailable"  # a donor step could not be read while the engine ran
+    VERIFICATION_SHORTENED = "verification_shortened"  # the model's check of the donor cut Stage 1 short
+    VERIFICATION_REJECTED = "verification_rejected"  # the model's check of the donor rejected it
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from producer.contract import ReusePlan
+from producer.contract import ReusePlan, VerificationReport
 from workers.engine.fallback import FallbackCause
 from workers.engine.trajectory import Trajectory
 
@@ -50,6 +50,8 @@ class GenerationOutput:
     # The prompt's tokens the text encoder kept, and whether its budget cut the prompt (None: not counted).
     prompt_tokens_used: int | None = None
     prompt_truncated: bool = False
+    # The model's check of the donor before its Stage 1 was trusted (``workers.engine.verify``), if one ran.
+    verification: VerificationReport | None = None
 
     @property
     def denoise_seconds(self) -> float:
@@ -69,4 +71,5 @@ class GenerationOutput:
             "donor": self.donor_request_id,
             "prompt_tokens_used": self.prompt_tokens_used,
             "prompt_truncated": self.prompt_truncated,
+            "verification": self.verification.model_dump() if self.verification else None,
         }

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from producer.contract import GenerationRequest, ReusePlan
+from producer.contract import GenerationRequest, ReusePlan, VerificationReport
 from workers.engine.bundle import ModelBundle, TextEncoding
 from workers.engine.errors import (
     CorruptTrajectory,
@@ -72,6 +72,12 @@ class RequestRun:
     map_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     # whether a donor problem the run computed around was a leader that never came (a follower's wait ran out)
     waited_out: bool = False
+    # (donor map rows, target map rows) of the differing prompt tokens, for ``score``
+    score_rows: tuple[list[int], list[int]] | None = None
+    # the donor's model output a Stage-2 step read last (step index, output): what verification compares with
+    last_donor_output: tuple[int, torch.Tensor] | None = None
+    # what donor verification measured and decided (``workers.engine.verify``), if it ran
+    verification: VerificationReport | None = None
 
     def donor_problem(self, exc: Exception) -> None:
         """Note a donor problem the engine computes around."""
@@ -126,8 +132,12 @@ class RequestRun:
     def score(self, dmaps: torch.Tensor | None) -> torch.Tensor | None:
         """Divergence score per latent token; None when differing tokens exist but none has a map yet."""
         assert self.diff is not None and self.donor_meta is not None
-        d_rows = rows_for_positions(self.donor_meta.valid, self.diff.donor_positions)
-        t_rows = rows_for_positions(self.cond.valid, self.diff.target_positions)
+        if self.score_rows is None:  # the same every step: the prompts do not change
+            self.score_rows = (
+                rows_for_positions(self.donor_meta.valid, self.diff.donor_positions),
+                rows_for_positions(self.cond.valid, self.diff.target_positions),
+            )
+        d_rows, t_rows = self.score_rows
         sources = []
         missing = False
         for maps, rows in ((dmaps, d_rows), (self.own_prev_maps, t_rows)):
@@ -158,7 +168,8 @@ class Stage1:
     stage1_steps: int  # k1 and k2 as they will run: 0 when no donor is used
     stage2_steps: int
     fallback: list[str]  # why the plan's reuse was (partly) dropped
-    decided: Fallback | None = None  # the donor dropped before any of its steps was read, and why
+    # decided before the loop: the donor dropped before any of its steps was read, or verification's verdict
+    decided: Fallback | None = None
 
 
 class PrefetchableSource(DonorSource, Protocol):
@@ -176,8 +187,12 @@ class PrefetchedDonor:
 
 
 def donor_steps(plan: ReusePlan, num_steps: int) -> range:
-    """The donor steps a plan reads: those of Stages 1 and 2."""
-    return range(min(plan.stage1_steps + plan.stage2_steps, num_steps))
+    """The donor steps a plan reads: those of Stages 1 and 2, and the first step after Stage 1 when the donor is
+    verified (``workers.engine.verify`` compares with the donor's output there)."""
+    end = plan.stage1_steps + plan.stage2_steps
+    if plan.verification is not None and plan.stage1_steps > 0:
+        end = max(end, plan.stage1_steps + 1)
+    return range(min(end, num_steps))
 
 
 def prefetch_donor(
