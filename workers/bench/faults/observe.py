@@ -161,6 +161,19 @@ def children(pid: int) -> list[int]:
     return sorted(out)
 
 
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in _pids():
+        fields = _stat_fields(pid)
+        if fields is None or int(fields[2]) != pgid:
+            continue
+        with contextlib.suppress(ValueError, IndexError):
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def group_rss_bytes(pgid: int) -> int:
     """Resident memory of every process in process group ``pgid`` (a service and what it started)."""
     total = 0

@@ -10,7 +10,9 @@ the same worker, in the same run. Per model:
 3. the same trace (prompts, seeds, arrival times) with ``reuse: off`` — after the reuse pass, so its results can
    give the reuse pass nothing.
 
-The scheduler's time per request comes from its own histogram ``chorus_scheduler_phase_duration_seconds``
+Besides wall-clock throughput, each pass records the CPU seconds per request of the worker's and the scheduler's
+process groups (``/proc``): on a machine other work shares, a pass's wall time depends on that work, its CPU time
+much less (``compare.cpu_throughput_ratio``). The scheduler's time per request comes from its own histogram ``chorus_scheduler_phase_duration_seconds``
 (embed per poll, search and plan per request, dispatch per order), read before and after each pass. For the toy
 model every video is read back from the object store and judged by ``workers.toy.checker`` against the
 attributes its prompt asks for.
@@ -40,6 +42,7 @@ from producer.contract import ResultStatus
 from producer.local.config import StackOptions
 from producer.local.stack import EmbeddedStack
 from producer.sdk import ChorusClient, ResultWatcher
+from workers.bench.faults.observe import group_cpu_s
 from workers.bench.serve import report, trace
 from workers.bench.serve.replay import Observation, Shape, replay, requests_for
 from workers.bench.serve.trace import TraceSpec
@@ -157,6 +160,8 @@ def _run_model(
     observed: dict[str, list[Observation]] = {}
     for reuse in ("auto", "off"):
         before = _scheduler_phases(stack)
+        cpu_before = _cpu(stack)
+        load_before = os.getloadavg()[0]
         requests = requests_for(items, shape, prefix=f"{tag}-{reuse}-", reuse=reuse)
         tick = progress(f"{run.name} reuse {reuse}", len(requests))
         obs, start = replay(
@@ -171,6 +176,12 @@ def _run_model(
         stack.wait_idle(timeout_s=60)
         summary = report.summarize(obs, start)
         summary["scheduler"] = _scheduler_delta(before, _scheduler_phases(stack), len(requests))
+        cpu_after = _cpu(stack)
+        summary["cpu"] = {
+            f"{role}_s_per_request": round((cpu_after[role] - cpu_before[role]) / len(requests), 4)
+            for role in cpu_after
+        }
+        summary["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         if run.judge:
             summary["quality"] = _judge(stack, obs)
         passes["reuse" if reuse == "auto" else "no_reuse"] = summary
@@ -217,6 +228,17 @@ def _by_variant(observations: Sequence[Observation]) -> dict[str, dict[str, Any]
             "latency_p50_s": round(report.percentile([o.latency_s for o in group], 50), 4),
         }
     return out
+
+
+def _cpu(stack: EmbeddedStack) -> dict[str, float]:
+    """CPU seconds used so far by the worker and by the scheduler process groups (pool processes included).
+
+    Wall-clock throughput on a machine other work shares depends on that work; CPU time per request does not
+    (much), so the report gives both."""
+    return {
+        "worker": sum(group_cpu_s(p.pid) for p in stack.workers),
+        "scheduler": sum(group_cpu_s(p.pid) for p in stack.schedulers),
+    }
 
 
 def _scheduler_phases(stack: EmbeddedStack) -> dict[str, tuple[float, float]]:

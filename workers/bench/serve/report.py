@@ -107,8 +107,8 @@ def summarize(observations: Sequence[Observation], start: float) -> dict[str, An
 
 
 def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
-    """Reuse against no reuse: throughput ratio (> 1: reuse serves more per second) and latency ratios
-    (< 1: reuse is faster)."""
+    """Reuse against no reuse: throughput ratio (> 1: reuse serves more per second), the same by the worker's
+    CPU seconds per request, and latency ratios (< 1: reuse is faster)."""
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
@@ -117,4 +117,8 @@ def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
         "throughput_ratio": ratio(on["throughput_rps"], off["throughput_rps"]),
         "latency_ratio": {q: ratio(on["latency_s"][q], off["latency_s"][q]) for q in ("p50", "p95", "p99")},
         "token_steps_ratio": ratio(on["token_steps_computed"], off["token_steps_computed"]),
+        # Requests per worker CPU-second, reuse over no reuse: the throughput ratio other load cannot skew.
+        "cpu_throughput_ratio": ratio(
+            off.get("cpu", {}).get("worker_s_per_request"), on.get("cpu", {}).get("worker_s_per_request")
+        ),
     }
