@@ -1,8 +1,9 @@
 """``chorus bench engine``: what a full denoising step and an SRD step cost on this machine.
 
-For each config (``tiny``: the ``tiny-random-wan`` registry model at its catalog default shape; ``mid``: a
-Wan2.1-1.3B-width transformer with 2 blocks at a CPU-sized token count, CFG on as in Wan) it runs, through the real
-``Engine.generate``:
+For each config (``tiny``: the ``tiny-random-wan`` registry model at its catalog default shape; ``toy2``: random
+weights of the toy-world-v2 transformer — Wan-like (2, 4, 4) patches, 256 tokens, MiniLM text, CFG 2 — with the
+toy's own text encoder, sampler and decoder; ``mid``: a Wan2.1-1.3B-width transformer with 2 blocks at a CPU-sized
+token count, CFG on as in Wan) it runs, through the real ``Engine.generate``:
 
 1. a warm-up request (not measured);
 2. ``rounds`` times: a full request, then for each active fraction ``f`` a request reusing it as donor with a
@@ -13,10 +14,12 @@ Step time = the engine's per-step wall time (``StepStat.seconds``: mask building
 scheduler step) and the process CPU time between ``on_step`` callbacks. The first computed step of each request
 also projects the prompt (text embedder and cross-attention K/V, cached for the later steps); it is excluded from
 the step medians and reported as ``first_computed_step``. ``ratio_*`` = median SRD step / median full step;
-the target is ``f + 0.1`` (``meets_target`` is judged on the median wall-time ratio; ``ratio_cpu`` and
-``ratio_wall_min`` — the ratio of the fastest samples — are given because other load on a shared machine only ever
-adds time). Also reported: interleaved transformer passes alone (full vs gathered subsets), the plain
-uninstrumented diffusers forward on the same input, and the bytes of one request's trajectory.
+the target is ``f + slack`` (0.1 for ``tiny`` and ``mid``, 0.15 for ``toy2`` as its issue asks; ``meets_target``
+is judged on the median wall-time ratio; ``ratio_cpu`` and ``ratio_wall_min`` — the ratio of the fastest samples —
+are given because other load on a shared machine only ever adds time). Also reported: interleaved transformer
+passes alone (full vs gathered subsets), the plain uninstrumented diffusers forward on the same input, the bytes
+of one request's trajectory, a request's prompt encoding with and without the engine's prompt cache, and what
+model-verified donors cost when the check accepts and when it rejects (``_time_verification``).
 """
 
 from __future__ import annotations
@@ -46,10 +49,21 @@ class EngineWorkload:
     height: int
     width: int
     guidance_scale: float
+    target_slack: float = 0.1  # an SRD step at active fraction f should cost at most f + this of a full step
 
 
 CONFIGS: dict[str, EngineWorkload] = {
     "tiny": EngineWorkload("tiny", "tiny-random-wan at its catalog default shape", 8, 32, 32, 1.0),
+    "toy2": EngineWorkload(
+        "toy2",
+        "toy-world-v2 shape, random weights: patch (2,4,4), 4 heads x 32, 4 blocks, ffn 512, MiniLM 384-d text "
+        "(32 tokens), position table, 8x32x32 pixels = 256 tokens, CFG 2",
+        8,
+        32,
+        32,
+        2.0,
+        target_slack=0.15,
+    ),
     "mid": EngineWorkload(
         "mid",
         "Wan2.1-1.3B width (12 heads x 128, ffn 8960, 4096-d text, 512 text tokens), 2 blocks, CFG 5",
@@ -61,12 +75,58 @@ CONFIGS: dict[str, EngineWorkload] = {
 }
 
 
+# The toy-world-v2 transformer (issue 16) as ``workers.toy.model.build_transformer`` builds it: 8×32×32 RGB
+# pixels as latent, (2, 4, 4) patches → a (4, 8, 8) grid of 256 tokens, each covering 2 frames like Wan's; the
+# learned absolute-position table is part of the shape because its hook runs on every pass.
+TOY2_TRANSFORMER: dict[str, Any] = {
+    "patch_size": [2, 4, 4],
+    "num_attention_heads": 4,
+    "attention_head_dim": 32,
+    "in_channels": 3,
+    "out_channels": 3,
+    "text_dim": 384,
+    "freq_dim": 256,
+    "ffn_dim": 512,
+    "num_layers": 4,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 64,
+    "_chorus_position_grid": [4, 8, 8],
+}
+
+
+def _toy2_bundle() -> Any:
+    """Random weights of the toy-world-v2 shape with the toy's own text encoder (MiniLM), sampler and decoder."""
+    from producer.catalog import CATALOG
+    from workers.engine.bundle import ModelBundle
+    from workers.toy import model as toy
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformer = toy.build_transformer(TOY2_TRANSFORMER)
+        # a trained table is not zero; random values keep the hook's add from being a no-op
+        transformer.patch_embedding.chorus_position.data.normal_(0.0, 0.02)
+    transformer.eval().requires_grad_(False)
+    return ModelBundle(
+        spec=CATALOG["toy"],
+        transformer=transformer,
+        make_scheduler=toy.make_scheduler,
+        encode_prompt=toy.encode_prompt,
+        latent_shape=toy.latent_shape,
+        decode=toy.decode,
+        weights_id="bench-toy2:random-seed0",
+    )
+
+
 def _bundle(name: str) -> Any:
     from producer.catalog import CATALOG
     from workers.engine.registry import MID_CONFIG, build_random_wan_bundle, load_bundle
 
     if name == "tiny":
         return load_bundle("tiny-random-wan")
+    if name == "toy2":
+        return _toy2_bundle()
     return build_random_wan_bundle(MID_CONFIG, spec=CATALOG["tiny-random-wan"], name="bench-mid-wan")
 
 
@@ -245,6 +305,67 @@ def _time_plain_forward(
     return plain
 
 
+def _time_encoding(engine: Any, requests: tuple[Any, ...], repeats: int) -> dict[str, Any]:
+    """A request's prompt encoding (its prompt and, with CFG, the negative prompt: ``Engine.encode_request``) with
+    an empty prompt cache — what every request paid before the engine cached encodings — and with both cached."""
+    uncached, cached = _Samples.empty(), _Samples.empty()
+    for _ in range(max(3, repeats)):
+        for request in requests:
+            engine.prompt_cache.clear()
+            for samples in (uncached, cached):
+                w, c = time.perf_counter(), time.process_time()
+                engine.encode_request(request)
+                samples.wall.append(time.perf_counter() - w)
+                samples.cpu.append(time.process_time() - c)
+    engine.prompt_cache.clear()
+    return {"uncached": uncached.summary(), "cached": cached.summary()}
+
+
+def _time_verification(
+    engine: Any, donor: Any, target: Any, steps: int, repeats: int, full_step: _Samples
+) -> dict[str, Any]:
+    """What model-verified donors cost (``workers.engine.verify``) on a Stage-1 plan (k1 = N/2, the rest in full):
+    the request trusting its donor, verified and accepted (the check is its first computed step), verified and
+    rejected (the check is thrown away and every step computed), and the same request without reuse, interleaved
+    per round. Thresholds force each decision (accept everything / reject everything): on random weights only the
+    cost means anything. The extra cost of a variant is given in full steps, from the process CPU time of whole
+    requests (wall time on a shared machine mostly measures the other load)."""
+    from producer.contract import DonorVerification, ReusePlan
+
+    k1 = steps // 2
+
+    def plan(policy: DonorVerification | None) -> Any:
+        return ReusePlan(stage1_steps=k1, stage2_steps=0, stage3_steps=steps - k1, verification=policy)
+
+    runs = {
+        "trusted": (plan(None), donor),
+        "accepted": (plan(DonorVerification(accept_max=1e30)), donor),
+        "rejected": (plan(DonorVerification(accept_max=0.0)), donor),
+        "no_reuse": (ReusePlan.full(steps), None),
+    }
+    request = {name: _Samples.empty() for name in runs}
+    wasted: list[float] = []
+    for _ in range(max(3, repeats)):
+        for name, (p, d) in runs.items():
+            w, c = time.perf_counter(), time.process_time()
+            out = engine.generate(target, p, donor=d)
+            request[name].wall.append(time.perf_counter() - w)
+            request[name].cpu.append(time.process_time() - c)
+            if name == "rejected":
+                wasted.append(out.verification.wasted_seconds)
+    cpu = {name: _median(v.cpu) for name, v in request.items()}
+    step_cpu = _median(full_step.cpu)
+    return {
+        "stage1_steps": k1,
+        "steps": steps,
+        "request": {name: v.summary() for name, v in request.items()},
+        "reject_wasted_wall_s": round(_median(wasted), 5),
+        "accept_extra_cpu_full_steps": round((cpu["accepted"] - cpu["trusted"]) / step_cpu, 3),
+        "reject_extra_cpu_full_steps": round((cpu["rejected"] - cpu["no_reuse"]) / step_cpu, 3),
+        "rejected_vs_no_reuse_cpu": round(cpu["rejected"] / cpu["no_reuse"], 3),
+    }
+
+
 def _describe(config: EngineWorkload, bundle: Any, meta: Any, batch: int, steps: int) -> dict[str, Any]:
     """The report's ``transformer`` and ``request`` sections: what was timed."""
     cfg_t = bundle.transformer.config
@@ -272,7 +393,7 @@ def _describe(config: EngineWorkload, bundle: Any, meta: Any, batch: int, steps:
 
 
 def _srd_rows(
-    times: _RequestTimes, passes: dict[str, _Samples], fractions: tuple[float, ...]
+    times: _RequestTimes, passes: dict[str, _Samples], fractions: tuple[float, ...], slack: float
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per active fraction: the SRD step against the full step, and the SRD pass against the full pass."""
     full_sum = times.full.summary()
@@ -292,9 +413,9 @@ def _srd_rows(
                 "ratio_wall": round(ratio_wall, 4),
                 "ratio_cpu": round(ratio_cpu, 4),
                 "ratio_wall_min": round(ratio_min, 4),
-                "target_ratio": round(f + 0.1, 4),
+                "target_ratio": round(f + slack, 4),
                 # judged on the median wall-time ratio
-                "meets_target": bool(ratio_wall <= f + 0.1),
+                "meets_target": bool(ratio_wall <= f + slack),
             }
         )
         p = passes[str(f)].summary()
@@ -337,6 +458,12 @@ def run_config(
     engine.generate(donor_req, ReusePlan.full(steps))
     times = _time_requests(engine, config, (donor_req, target_req), steps, repeats, fractions, log)
 
+    encoding = _time_encoding(engine, (donor_req, target_req), repeats)
+    log(f"{config.name}: donor verification")
+    verification = _time_verification(
+        engine, times.last_full.trajectory, target_req, steps, repeats, times.full
+    )
+
     log(f"{config.name}: interleaved transformer passes")
     meta = times.last_full.trajectory.meta
     batch = 2 if config.guidance_scale > 1.0 else 1
@@ -349,7 +476,7 @@ def run_config(
     engine.close()
     plain = _time_plain_forward(bundle, (x, ts, text), repeats)
 
-    srd, transformer_pass = _srd_rows(times, passes, fractions)
+    srd, transformer_pass = _srd_rows(times, passes, fractions, config.target_slack)
     return {
         "config": config.name,
         "description": config.description,
@@ -362,6 +489,8 @@ def run_config(
         "transformer_pass": transformer_pass,
         "plain_transformer_forward": plain.summary(),
         "trajectory_bytes_per_request": times.traj_bytes,
+        "prompt_encoding": encoding,
+        "verification": verification,
     }
 
 
@@ -380,6 +509,6 @@ def run_bench(
             "threads": torch.get_num_threads(),
             "device": "cpu",
         },
-        "target": "SRD step at active fraction f costs at most f + 0.1 of a full step",
+        "target": "SRD step at active fraction f costs at most f + slack of a full step (per config: target_ratio)",
         "configs": [run_config(CONFIGS[c], steps=steps, repeats=repeats, log=log) for c in configs],
     }

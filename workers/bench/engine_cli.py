@@ -6,6 +6,7 @@ Exit codes: 0 every SRD row met its target; 1 a row missed it (``--no-fail``: 0 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +25,9 @@ _err = Console(stderr=True)
 def bench_engine(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (otherwise a table)."),
     configs: list[str] = typer.Option(
-        ["tiny", "mid"], "--configs", help="Configs to run: tiny, mid (repeatable, or comma-separated)."
+        ["tiny", "toy2", "mid"],
+        "--configs",
+        help="Configs to run: tiny, toy2, mid (repeatable, or comma-separated).",
     ),
     num_steps: int | None = typer.Option(
         None, "--num-steps", min=3, help="Denoising steps per measured request [default: 4]."
@@ -39,7 +42,8 @@ def bench_engine(
         False, "--no-fail", help="Exit 0 even when an SRD row misses its target (the report says which)."
     ),
 ) -> None:
-    """Time full and SRD steps of the engine (tiny and a Wan2.1-1.3B-width config); print trajectory sizes."""
+    """Time full and SRD steps of the engine (tiny, the toy-world-v2 shape, a Wan2.1-1.3B-width config); print
+    trajectory sizes and the prompt encoding's cost with and without the engine's prompt cache."""
     import torch
 
     from workers.bench.engine_bench import run_bench
@@ -54,6 +58,7 @@ def bench_engine(
     except ValueError as exc:
         _err.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
+    report["command"] = _command(names, steps_per_request, repeats, threads, as_json, output, no_fail)
     text = json.dumps(report, indent=2)
     if output is not None:
         output.write_text(text + "\n")
@@ -73,12 +78,33 @@ def bench_engine(
             raise typer.Exit(code=1)
 
 
+def _command(
+    names: list[str],
+    steps: int,
+    repeats: int,
+    threads: int | None,
+    as_json: bool,
+    output: Path | None,
+    no_fail: bool,
+) -> str:
+    """The command line that reproduces this report (recorded in it, so a committed result names its command)."""
+    parts = ["chorus", "bench", "engine", *(["--json"] if as_json else []), "--configs", ",".join(names)]
+    parts += ["--num-steps", str(steps), "--repeats", str(repeats)]
+    if threads is not None:
+        parts += ["--threads", str(threads)]
+    if output is not None:
+        parts += ["--output", str(output)]
+    if no_fail:
+        parts.append("--no-fail")
+    return shlex.join(parts)
+
+
 def phase_count(configs: int, repeats: int) -> int:
     """How many phases ``run_bench`` logs: per config a warm-up, per round a full request and one SRD request
-    per fraction, and the interleaved transformer passes."""
+    per fraction, donor verification, and the interleaved transformer passes."""
     from workers.bench.engine_bench import FRACTIONS
 
-    return configs * (2 + repeats * (1 + len(FRACTIONS)))
+    return configs * (3 + repeats * (1 + len(FRACTIONS)))
 
 
 @contextmanager
@@ -125,10 +151,15 @@ def _print_table(report: dict[str, Any]) -> None:
         "ok",
         "pass ratio",
         "traj fp32/fp16 B",
+        "encode ms (cache off/on)",
     ):
         table.add_column(col)
     for cfg in report["configs"]:
         tb = cfg["trajectory_bytes_per_request"]
+        enc = cfg.get("prompt_encoding")  # absent from reports written before the prompt cache
+        encode = (
+            f"{enc['uncached']['wall_s'] * 1e3:.2f} / {enc['cached']['wall_s'] * 1e3:.3f}" if enc else "-"
+        )
         for row in cfg["srd"]:
             p = cfg["transformer_pass"][str(row["active_fraction"])]
             table.add_row(
@@ -142,5 +173,6 @@ def _print_table(report: dict[str, Any]) -> None:
                 "yes" if row["meets_target"] else "NO",
                 f"{p['ratio_wall']:.3f}",
                 f"{tb['float32']:,} / {tb['float16']:,}",
+                encode,
             )
     Console().print(table)
