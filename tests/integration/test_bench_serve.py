@@ -1,6 +1,6 @@
 """``chorus bench serve`` through its Python API on the embedded stack, scaled down: the tiny random model, a
-short mixed trace. Both passes are served in full, the reuse pass computes no more than the
-no-reuse pass computes everything and reuses nothing; the report has the documented shape and the figure is drawn."""
+short mixed trace. Both passes are served in full; the no-reuse pass computes everything and reuses nothing, the
+reuse pass computes no more than it; the report has the documented shape and the figure is drawn."""
 
 from __future__ import annotations
 
