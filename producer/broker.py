@@ -29,6 +29,7 @@ from celery import Celery
 from celery.result import AsyncResult
 from kombu import Exchange, Queue
 
+from producer.file_backend import atomic_file_url
 from producer.orders import (
     EVICT_TASK,
     GENERATE_TASK,
@@ -105,6 +106,8 @@ def celery_config(settings: BrokerSettings) -> dict[str, Any]:
             # at 0.25 s, against 0.17 s of denoising per toy request). A listing of the queue folder is cheap.
             polling_interval=0.02,
         )
+    if result_backend is not None:
+        result_backend = atomic_file_url(result_backend)
     return {
         "broker_url": broker_url,
         "result_backend": result_backend,

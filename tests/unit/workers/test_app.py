@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from producer.broker import app_for_broker, route_task, settings_of
 from producer.catalog import CATALOG
 from producer.contract import ReusePlan, build_request
+from producer.file_backend import BACKEND_PATH
 from producer.orders import EVICT_TASK, GENERATE_TASK, MAINTENANCE_QUEUE, WorkOrder, all_queues, queue_for
 from workers.app import celery_config, create_app
 from workers.settings import WorkerSettings
@@ -43,7 +44,7 @@ def test_empty_broker_url_means_the_filesystem_transport_under_state_dir(tmp_pat
     assert options["data_folder_in"] == options["data_folder_out"]
     for key in ("data_folder_in", "processed_folder", "control_folder"):
         assert Path(options[key]).is_dir() and Path(options[key]).is_relative_to(tmp_path.resolve())
-    assert conf["result_backend"].startswith("file://" + str(tmp_path.resolve()))
+    assert conf["result_backend"].startswith(f"{BACKEND_PATH}+file://{tmp_path.resolve()}")
 
 
 def test_redis_broker_keeps_results_in_redis_and_outlasts_the_hard_limit(tmp_path: Path) -> None:
