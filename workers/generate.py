@@ -25,7 +25,7 @@ from producer.catalog import ModelName
 from workers.cli_options import aliased
 
 if TYPE_CHECKING:
-    from producer.contract import GenerationRequest, ReusePlan
+    from producer.contract import GenerationRequest, ReusePlan, VerificationReport
     from workers.engine.bundle import ModelBundle
     from workers.engine.output import GenerationOutput
     from workers.engine.trajectory import Trajectory
@@ -90,6 +90,19 @@ def generate(
     ),
     min_active: float = typer.Option(0.05, help="Minimum fraction of tokens recomputed in a Stage-2 step."),
     max_active: float = typer.Option(1.0, help="Maximum fraction of tokens recomputed in a Stage-2 step."),
+    verify: bool = typer.Option(
+        True,
+        "--verify/--no-verify",
+        help="Check the donor with the model before trusting its first k1 steps (accept, shorten or reject).",
+    ),
+    verify_accept: float = typer.Option(
+        0.01, min=0.0, help="Verification: largest relative prediction change that keeps the whole plan."
+    ),
+    verify_shorten: float = typer.Option(
+        0.03,
+        min=0.0,
+        help="Verification: largest change that keeps half of Stage 1; above, the donor is dropped.",
+    ),
     save_trajectory: Path | None = typer.Option(None, help="Write this request's trajectory here."),
     trajectory_dtype: Literal["float32", "float16"] = typer.Option(
         "float16", help="Storage dtype of --save-trajectory."
@@ -117,6 +130,8 @@ def generate(
     )
     stages = (k1, k2, k3)
     plan = _plan(request.num_steps, donor, stages, alpha, mask_threshold, (min_active, max_active))
+    if verify and donor is not None and plan.stage1_steps > 0:
+        plan = _verified(plan, verify_accept, verify_shorten)
     video_fmt = fmt or (
         output.suffix.lstrip(".").lower() if output and output.suffix else settings.video_format
     )
@@ -232,6 +247,16 @@ def _plan(
         _fail(f"bad plan: {exc.errors()[0]['msg']}")
 
 
+def _verified(plan: ReusePlan, accept_max: float, shorten_max: float) -> ReusePlan:
+    from producer.contract import DonorVerification
+
+    if shorten_max < accept_max:
+        _fail(f"--verify-shorten {shorten_max} must be at least --verify-accept {accept_max}")
+    return plan.model_copy(
+        update={"verification": DonorVerification(accept_max=accept_max, shorten_max=shorten_max)}
+    )
+
+
 def _read_donor(path: Path) -> Trajectory:
     from workers.engine.errors import CorruptTrajectory
     from workers.engine.trajectory import Trajectory
@@ -257,6 +282,20 @@ def _load(model: str, device: str, dtype: str, settings: WorkerSettings) -> Mode
             )
     except (ModelUnavailable, ValueError) as exc:
         _fail(str(exc))
+
+
+def _verification_line(report: VerificationReport, plan: ReusePlan) -> str:
+    """One line on the model's check of the donor: what it measured, against which thresholds, and what it did."""
+    if report.signal is None:
+        return f"{report.decision}: the donor's output at step {report.step} could not be read; plan ran as given"
+    limits = plan.verification
+    bounds = f" (accept ≤ {limits.accept_max:g}, shorten ≤ {limits.shorten_max:g})" if limits else ""
+    what = {
+        "accepted": f"kept the donor's {report.stage1_steps} Stage-1 steps",
+        "shortened": f"Stage 1 cut to {report.stage1_steps} steps",
+        "rejected": "donor dropped, computed in full from this request's own noise",
+    }.get(report.decision, report.decision)
+    return f"{report.decision}: prediction change {report.signal:.4f}{bounds}; {what}"
 
 
 def _print_summary(
@@ -288,6 +327,8 @@ def _print_summary(
             f"{donor_traj.meta.request_id} (k1={plan.stage1_steps} k2={plan.stage2_steps} "
             f"k3={plan.stage3_steps} α={plan.alpha})",
         )
+    if result.verification is not None:
+        table.add_row("verification", _verification_line(result.verification, plan))
     if result.fallback:
         table.add_row("fallback", escape(result.fallback))
     if summary["trajectory"] is not None:

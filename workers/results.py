@@ -24,6 +24,7 @@ from producer.contract import (
     PhaseTimings,
     ResultStatus,
     ReuseKind,
+    VerificationReport,
     salvage_identity,
     salvage_json,
 )
@@ -104,6 +105,7 @@ def done_result(
     donor_seed: int | None = None,
     prompt_tokens_used: int | None = None,
     prompt_truncated: bool = False,
+    verification: VerificationReport | None = None,
 ) -> GenerationResult:
     request = order.request
     reuse = _reuse_kind(order, steps_computed, tokens_computed_fraction)
@@ -127,6 +129,7 @@ def done_result(
         seed_honoured=reuse is not ReuseKind.STAGE1 or donor_seed == request.seed,
         prompt_tokens_used=prompt_tokens_used,
         prompt_truncated=prompt_truncated,
+        verification=verification,
     )
 
 

@@ -82,7 +82,11 @@ def engine_for(model: str, settings: WorkerSettings) -> LoadedModel:
         if loaded is None:
             start = time.perf_counter()
             bundle = _load(model, settings)
-            loaded = LoadedModel(Engine(bundle), time.perf_counter() - start, threading.Lock())
+            loaded = LoadedModel(
+                Engine(bundle, prompt_cache_size=settings.prompt_cache_size),
+                time.perf_counter() - start,
+                threading.Lock(),
+            )
             _MODELS[key] = loaded
             worker_metrics.model_loaded(model, loaded.load_s)
             log.info(
@@ -260,6 +264,7 @@ class Runner:
             donor_seed=meta.seed if source is not None and (meta := source.loaded_metadata) else None,
             prompt_tokens_used=output.prompt_tokens_used,
             prompt_truncated=output.prompt_truncated,
+            verification=output.verification,
         )
         _log_done(result)
         return result
@@ -441,6 +446,7 @@ def _log_done(result: GenerationResult) -> None:
             "fallback": result.fallback,
             "reuse": str(result.reuse),
             "seed_honoured": result.seed_honoured,
+            "verification": result.verification.decision if result.verification else None,
             "video_uri": result.video_uri,
             "trajectory_bytes": result.trajectory_bytes,
             **{k: round(v, 4) for k, v in result.timings.model_dump().items()},

@@ -42,6 +42,9 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     # do relative to the worker's other work (``chorus bench serve --model mid``). A benchmark knob: every worker
     # of a deployment must agree, and trajectories of the two are incompatible (their weights ids differ).
     random_wan_width: Literal["tiny", "wan-width"] = "tiny"
+    # Encoded prompts a loaded model keeps (LRU): a prompt seen again, or a donor check's negative prompt, skips
+    # the text encoder (23.7 ms -> 0.03 ms per request on toy2, chorus bench engine). 0 turns the cache off.
+    prompt_cache_size: int = Field(default=64, ge=0, le=100_000)
 
     # --- Celery worker -------------------------------------------------------------------------------
     # Models whose queues this worker consumes (comma-separated in CHORUS_WORKER_MODELS); empty: every model

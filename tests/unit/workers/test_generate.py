@@ -55,6 +55,7 @@ def test_generate_then_reuse(tmp_path):
             "2",
             "--max-active",
             "0.5",
+            "--no-verify",
             "--json",
         ],
     )
@@ -62,7 +63,32 @@ def test_generate_then_reuse(tmp_path):
     summary = json.loads(r.stdout)
     assert summary["donor"] is not None and summary["steps_computed"] == 3
     assert summary["tokens_computed_fraction"] <= (0 + 0.5 + 0.5 + 1) / 4 + 1e-9
+    assert summary["verification"] is None
     assert gif.read_bytes().startswith(b"GIF8")
+
+
+def _reuse(tmp_path, *extra):
+    traj = tmp_path / "donor.safetensors"
+    if not traj.exists():
+        args = ["generate", "-p", "a red circle", *SMALL, "-o", str(tmp_path / "d.mp4"), "--save-trajectory"]
+        assert runner.invoke(app, [*args, str(traj)]).exit_code == 0
+    args = ["generate", "-p", "a blue circle", *SMALL, "-o", str(tmp_path / "t.mp4"), "--donor", str(traj)]
+    return runner.invoke(app, [*args, "--k1", "2", "--k2", "1", *extra])
+
+
+def test_generate_checks_the_donor_with_the_model_and_says_what_it_decided(tmp_path):
+    r = _reuse(tmp_path, "--verify-accept", "1000", "--verify-shorten", "1000", "--json")
+    assert r.exit_code == 0, r.output
+    accepted = json.loads(r.stdout)
+    assert accepted["verification"]["decision"] == "accepted" and accepted["steps_computed"] == 2
+
+    r = _reuse(tmp_path, "--verify-accept", "0", "--verify-shorten", "0")
+    assert r.exit_code == 0, r.output
+    assert "rejected: prediction change" in r.output and "computed in full" in r.output
+    assert "4/4 computed" in r.output
+
+    r = _reuse(tmp_path, "--verify-accept", "0.5", "--verify-shorten", "0.1")
+    assert r.exit_code == 2 and "--verify-shorten" in r.output
 
 
 def test_generate_rejects_bad_input(tmp_path):

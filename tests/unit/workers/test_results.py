@@ -14,6 +14,7 @@ from producer.contract import (
     ResultStatus,
     ReuseKind,
     ReusePlan,
+    VerificationReport,
     build_request,
 )
 from producer.orders import DonorRef, Role, WorkOrder, trajectory_prefix
@@ -45,8 +46,10 @@ def test_done_result_carries_request_donor_plan_and_what_was_computed() -> None:
         fallback=None,
         timings=timings,
         worker="chorus@host",
+        verification=VerificationReport(decision="shortened", signal=0.02, step=2, stage1_steps=1),
     )
     assert result.status is ResultStatus.DONE and result.error is None
+    assert result.verification is not None and result.verification.decision == "shortened"
     assert (result.request_id, result.tenant) == (order.request.request_id, "acme")
     assert result.donor is not None and (result.donor.request_id, result.donor.similarity) == ("d-1", 0.91)
     assert result.plan == order.plan
