@@ -153,6 +153,7 @@ def make_consumer(
         "group_id": group_id,
         "auto_offset_reset": auto_offset_reset,
         "enable_auto_commit": False,
+        "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
         **overrides,
     }
     return KafkaConsumer(*topics, **config)
@@ -225,6 +226,7 @@ def tail_consumer(settings: KafkaSettings, topic: str, **overrides: Any) -> Kafk
         "group_id": None,
         "enable_auto_commit": False,
         "auto_offset_reset": "earliest",
+        "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
         **overrides,
     }
     consumer = KafkaConsumer(**config)

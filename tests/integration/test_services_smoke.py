@@ -41,6 +41,19 @@ def test_kafka_round_trips_requests_through_a_consumer_group(kafka_settings: Kaf
     consumer.close()
 
 
+def test_consumers_wait_at_the_broker_no_longer_than_the_setting(kafka_settings: KafkaSettings) -> None:
+    # the embedded broker holds a fetch for its full wait: kafka-python's 500 ms default delayed every hop
+    assert KafkaSettings.model_fields["kafka_fetch_max_wait_ms"].default == 50
+    quick = kafka_settings.model_copy(update={"kafka_fetch_max_wait_ms": 20})
+    grouped = bus.make_consumer(quick, [quick.kafka_requests_topic], group_id=None)
+    tail = bus.tail_consumer(quick, quick.kafka_results_topic)
+    try:
+        assert grouped.config["fetch_max_wait_ms"] == tail.config["fetch_max_wait_ms"] == 20
+    finally:
+        grouped.close()
+        tail.close()
+
+
 def test_s3_round_trips_objects_through_the_minio_client(s3_server: EmbeddedService) -> None:
     store = ObjectStore(
         s3_server.address, f"smoke-{uuid.uuid4().hex[:8]}", access_key="test", secret_key="test"
