@@ -7,8 +7,10 @@ least ``min_similarity`` and at most ``max_content_changes`` word slots differ o
 are left out. Stage lengths are fractions of N: ``k1`` (Stage 1, reuse the donor's latent) and ``k2`` (Stage
 2, recompute only divergent tokens), rounded down; Stage 3 gets the rest, always at least one step.
 
-A ``verification`` section (per table, or per regime) holds the thresholds by which the worker checks a Stage-1
-donor with the model before trusting it (``VerificationThresholds``; defaults apply when a table has none).
+A ``verification`` section (per table, per regime, or per row) holds the thresholds by which the worker checks a Stage-1
+donor with the model before trusting it (``VerificationThresholds``; defaults apply when a table has none). A
+``verified`` row admits on a looser rule than similarity alone could justify and applies only while verification
+is on: the model's check, not the embedder, keeps its wrong donors out.
 
 The shipped table is measured: ``chorus bench quality --calibrate`` on the trained toy model wrote it with
 ``write_calibration`` (its ``source`` is the command, each row's ``measured`` what it was accepted on). A table
@@ -63,34 +65,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class CalibrationRow(_Strict):
-    name: str = Field(min_length=1)
-    min_similarity: float = Field(ge=-1.0, le=1.0, allow_inf_nan=False)
-    max_content_changes: int = Field(ge=0)
-    k1: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, description="Stage 1 steps as a fraction of N")
-    k2: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, description="Stage 2 steps as a fraction of N")
-    alpha: float = Field(default=1.0, ge=1.0, le=20.0, allow_inf_nan=False)
-    mask_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
-    min_active_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
-    max_active_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
-    tgaa_in_stage3: bool = False
-    mask_dilation: int | None = Field(default=None, ge=0, le=16)
-    mask_levels: int | None = Field(default=None, ge=1, le=6)
-    # What the benchmark observed for this row (e.g. attribute accuracy with and without reuse); informative.
-    measured: dict[str, float] | None = None
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Self:
-        if self.k1 + self.k2 >= 1.0:
-            raise ValueError(f"row {self.name!r}: k1 + k2 must be below 1 so Stage 3 keeps at least one step")
-        if self.min_active_fraction > self.max_active_fraction:
-            raise ValueError(f"row {self.name!r}: min_active_fraction exceeds max_active_fraction")
-        return self
-
-    def admits(self, similarity: float, content_changes: int) -> bool:
-        return admits(self, similarity, content_changes)
-
-
 class VerificationThresholds(_Strict):
     """When a plan reuses Stage 1, the worker checks the donor with the model (``producer.contract.DonorVerification``
     says how). The defaults are provisional, from a prototype on the first toy model at 4 steps (the signal's
@@ -115,6 +89,43 @@ class VerificationThresholds(_Strict):
         return DonorVerification(
             accept_max=self.accept_max, shorten_max=self.shorten_max, shorten_fraction=self.shorten_fraction
         )
+
+
+class CalibrationRow(_Strict):
+    name: str = Field(min_length=1)
+    min_similarity: float = Field(ge=-1.0, le=1.0, allow_inf_nan=False)
+    max_content_changes: int = Field(ge=0)
+    k1: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, description="Stage 1 steps as a fraction of N")
+    k2: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, description="Stage 2 steps as a fraction of N")
+    alpha: float = Field(default=1.0, ge=1.0, le=20.0, allow_inf_nan=False)
+    mask_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    min_active_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    max_active_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    tgaa_in_stage3: bool = False
+    # A verified row admits on a loose similarity rule (paraphrases and other changes in other words look alike to
+    # the embedder) and trusts the worker's model check to tell them apart: it applies only while verification is
+    # enabled, and only with a Stage 1 to verify.
+    verified: bool = False
+    verification: VerificationThresholds | None = None  # None: the regime's (or the table's)
+    mask_dilation: int | None = Field(default=None, ge=0, le=16)
+    mask_levels: int | None = Field(default=None, ge=1, le=6)
+    # What the benchmark observed for this row (e.g. attribute accuracy with and without reuse); informative.
+    measured: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.k1 + self.k2 >= 1.0:
+            raise ValueError(f"row {self.name!r}: k1 + k2 must be below 1 so Stage 3 keeps at least one step")
+        if self.min_active_fraction > self.max_active_fraction:
+            raise ValueError(f"row {self.name!r}: min_active_fraction exceeds max_active_fraction")
+        if self.verified and self.k2 > 0 and self.k1 == 0:
+            raise ValueError(
+                f"row {self.name!r}: a verified row needs a Stage 1 (k1 > 0) for the model to check"
+            )
+        return self
+
+    def admits(self, similarity: float, content_changes: int) -> bool:
+        return admits(self, similarity, content_changes)
 
 
 class Regime(_Strict):
@@ -251,8 +262,11 @@ class Planner:
         for row in regime.rows:
             if not row.admits(similarity, changes):
                 continue
+            policy = (row.verification or regime.verification or self.table.verification).for_plan()
             k1 = math.floor(row.k1 * num_steps)
             k2 = math.floor(row.k2 * num_steps)
+            if row.verified and (policy is None or k1 == 0):
+                continue  # nothing would check the donor: the row's loose rule does not apply
             k3 = num_steps - k1 - k2  # ≥ 1 because k1 + k2 < 1
             plan = ReusePlan(
                 stage1_steps=k1,
@@ -263,7 +277,7 @@ class Planner:
                 min_active_fraction=row.min_active_fraction,
                 max_active_fraction=row.max_active_fraction,
                 tgaa_in_stage3=row.tgaa_in_stage3,
-                verification=(regime.verification or self.table.verification).for_plan() if k1 > 0 else None,
+                verification=policy if k1 > 0 else None,
                 **{
                     k: v
                     for k, v in (("mask_dilation", row.mask_dilation), ("mask_levels", row.mask_levels))
@@ -279,6 +293,7 @@ class Planner:
             reason = (
                 f"row {row.name!r}: similarity {similarity:.3f} ≥ {row.min_similarity}, "
                 f"{changes} content change(s) ≤ {row.max_content_changes} ({diff.describe()})"
+                + ("; the worker verifies the donor with the model" if row.verified else "")
             )
             return PlanChoice(plan, regime.name, row.name, changes, reason)
         reason = (

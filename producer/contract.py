@@ -238,6 +238,8 @@ class VerificationReport(_Wire):
     step: int = Field(ge=0, description="the step compared: the plan's first computed one")
     stage1_steps: int = Field(ge=0, description="Stage-1 steps run after the decision")
     wasted_seconds: float = Field(default=0.0, ge=0.0)
+    # The thrown-away pass's computed token fraction of one step (1.0 for a full step): what a rejection costs.
+    wasted_tokens_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
 
 
 class ReusePlan(_Wire):

@@ -13,7 +13,10 @@
    or two to four in other words; ``pairs.NEGATIVE_CLASSES``) must not be reused on a measurement of something
    else. A row that negatives would reach (those no earlier row takes) gets its ``min_similarity`` raised above
    the most similar of them. A row left with fewer than ``min_pairs`` measured pairs is dropped — too few to
-   calibrate — and its pairs fall through to later rows or to no reuse.
+   calibrate — and its pairs fall through to later rows or to no reuse. The paraphrase row is *verified*
+   instead (``CalibrationRow.verified``): the embedder cannot tell paraphrases from changes in other words, the
+   worker's model check can, so the row is not bounded; the negatives it admits are generated and counted in its
+   paired test, and it picks its own acceptance threshold and similarity floor (``verified_candidates``).
 2. **Candidates.** Per regime (a calibrated step count N), candidate plans: k1, k2 in steps; α and mask
    threshold when k2 > 0 (``default_grid``).
 3. **Paired, churn-aware acceptance.** Each clip of a candidate is paired with the no-reuse clip of the same
@@ -25,9 +28,10 @@
    with no lost clip passes; one that loses a clip needs several gains to pass; churn of three each way fails.
    Evaluation stops as soon as no outcome of the remaining clips could bring the bound back under the
    tolerance (an exact early rejection, not an estimate).
-4. **Most reuse = most measured saving.** Of the passing candidates, the row takes the one whose measured
-   computed-token fraction is lowest (Stage 2 saves only what its masks leave out, which is measured, not
-   assumed). Candidates are tried by decreasing upper bound of their saving (``saving_bound``) and the search
+4. **Most reuse = most measured saving.** Every Stage-1 plan is measured with the donor check on, and a donor it
+   turns away costs its thrown-away pass. Of the passing candidates that save anything, the row takes the one
+   whose measured computed-token fraction is lowest (Stage 2 saves only what its masks leave out, which is
+   measured, not assumed). Candidates are tried by decreasing upper bound of their saving (``saving_bound``) and the search
    stops when no untried candidate could beat the best passing one. If none passes, the row keeps no reuse
    (k1 = k2 = 0).
 5. ``write_calibration`` writes the table (``provisional: false``, ``source`` = the command, ``measured`` per row).
@@ -42,8 +46,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from chorus_sched.planner import CalibrationRow, CalibrationTable, Regime, admits
-from producer.contract import ReusePlan
+from chorus_sched.planner import CalibrationRow, CalibrationTable, Regime, VerificationThresholds, admits
+from producer.contract import DonorVerification, ReusePlan
 from workers.bench.pair_facts import PairFacts
 
 EMBEDDER = "all-minilm-l6-v2"
@@ -62,6 +66,7 @@ class RowSpec:
     max_content_changes: int
     classes: tuple[str, ...]  # the pair classes the row was drawn from (empty for the blocker)
     negatives_max_similarity: float | None = None  # the most similar negative that reached the row, if any
+    verified: bool = False  # the worker checks each donor with the model (``CalibrationRow.verified``)
 
     @property
     def calibrated(self) -> bool:
@@ -97,7 +102,10 @@ def class_rows(facts: Sequence[PairFacts]) -> list[RowSpec]:
     rows.append(RowSpec(BLOCKER, -1.0, 3 if small else 0, ()))
     add("paraphrase", "paraphrase")
     # a paraphrase row no wider than the blocker would never apply
-    return [r for r in rows if not (r.name == "paraphrase" and r.max_content_changes <= 3)]
+    rows = [r for r in rows if not (r.name == "paraphrase" and r.max_content_changes <= 3)]
+    # Paraphrases are as similar to the embedder as changes in other words are: only the model can tell them
+    # apart, so the paraphrase row is a verified one.
+    return [replace(r, verified=True) if r.name == "paraphrase" else r for r in rows]
 
 
 def above(x: float) -> float:
@@ -107,10 +115,12 @@ def above(x: float) -> float:
 
 def bound_rows(rows: Sequence[RowSpec], negatives: Sequence[PairFacts]) -> list[RowSpec]:
     """Each reusing row with its ``min_similarity`` raised above every negative pair that reaches it (admitted
-    by it and by no earlier row, earlier rows already bounded). The blocker is left as it is: it never reuses."""
+    by it and by no earlier row, earlier rows already bounded). The blocker is left as it is: it never reuses.
+    A verified row is not bounded: the negatives that reach it are measured with it instead (generated, checked
+    by the model, and counted in its paired test)."""
     out: list[RowSpec] = []
     for row in rows:
-        if row.calibrated:
+        if row.calibrated and not row.verified:
             reaching = [
                 f.similarity
                 for f in negatives
@@ -162,14 +172,23 @@ class CandidatePlan:
     k2: int
     alpha: float = 1.0
     threshold: float = 0.5
+    # A verified row's own acceptance threshold of the donor check (no shorten band); None: the table's.
+    accept_max: float | None = None
+    # A verified row's own, higher similarity floor (the pairs below it are not reused); None: the row's.
+    min_similarity: float | None = None
 
-    def plan(self, num_steps: int) -> ReusePlan:
+    def plan(self, num_steps: int, verification: DonorVerification | None = None) -> ReusePlan:
+        """The plan at ``num_steps``; ``verification`` (or the candidate's own threshold) applies where the
+        planner's would (a Stage 1 to check)."""
+        if self.accept_max is not None:
+            verification = DonorVerification(accept_max=self.accept_max, shorten_max=self.accept_max)
         return ReusePlan(
             stage1_steps=self.k1,
             stage2_steps=self.k2,
             stage3_steps=num_steps - self.k1 - self.k2,
             alpha=self.alpha,
             mask_threshold=self.threshold,
+            verification=verification if self.k1 > 0 else None,
         )
 
 
@@ -178,6 +197,29 @@ def default_grid(num_steps: int) -> tuple[list[float], list[float], list[float],
     if num_steps <= 8:
         return [0.0, 0.25, 0.5, 0.75], [0.0, 0.25, 0.5, 0.75], [1.0, 2.0, 4.0], [0.3, 0.6]
     return [i / 10 for i in range(10)], [0.0, 0.1, 0.2, 0.4], [1.0, 4.0], [0.5]
+
+
+# The donor check's acceptance thresholds a verified row tries (relative squared difference of the predictions).
+VERIFY_ACCEPT_GRID: tuple[float, ...] = (0.004, 0.008, 0.012, 0.016)
+# Similarity floors a verified row tries above its own: every pair it admits but turns away costs a thrown-away
+# verification pass, so admitting fewer, likelier pairs can save more.
+VERIFY_SIMILARITY_GRID: tuple[float, ...] = (0.6, 0.65, 0.7, 0.75, 0.8)
+
+
+def verified_candidates(
+    grid: Sequence[CandidatePlan],
+    accepts: Sequence[float] = VERIFY_ACCEPT_GRID,
+    floors: Sequence[float] = VERIFY_SIMILARITY_GRID,
+) -> list[CandidatePlan]:
+    """A verified row's candidates: each Stage-1-then-full plan of ``grid`` at each acceptance threshold
+    (loosest first) and similarity floor (None, the row's own, first)."""
+    return [
+        replace(c, accept_max=a, min_similarity=f)
+        for c in grid
+        if c.k1 > 0 and c.k2 == 0  # a paraphrase changes no region: Stage 2 has nothing to recompute
+        for a in sorted(accepts, reverse=True)
+        for f in (None, *sorted(floors))
+    ]
 
 
 def candidates(
@@ -233,6 +275,8 @@ class Trial:
             "k3": num_steps - c.k1 - c.k2,
             "alpha": c.alpha,
             "mask_threshold": c.threshold,
+            **({"accept_max": c.accept_max} if c.accept_max is not None else {}),
+            **({"min_similarity": c.min_similarity} if c.min_similarity is not None else {}),
             "evaluated": self.evaluated,
             "wrong": self.wrong,
             "lost": self.lost,
@@ -256,9 +300,14 @@ Z_ONE_SIDED_95 = 1.6449
 
 def paired_loss_bound(lost: int, gained: int, n: int, z: float = Z_ONE_SIDED_95) -> float:
     """One-sided upper confidence bound of the accuracy a plan loses against no reuse on the same ``n`` paired
-    clips: the paired difference (lost − gained) / n plus ``z`` standard errors from the discordant pairs."""
+    clips: the paired difference (lost − gained) / n plus ``z`` standard errors from the discordant pairs.
+
+    A plan that lost no clip is charged nothing: the normal approximation would turn a lone gain on a small set
+    into a positive bound (one gain in 32 clips: +2 points) and reject a plan for getting something right."""
     if n <= 0:
         return math.inf
+    if lost == 0:
+        return -gained / n
     diff = lost - gained
     variance = max(lost + gained - diff * diff / n, 0.0)
     return (diff + z * math.sqrt(variance)) / n
@@ -282,26 +331,61 @@ def sweep(
     evaluate: EvalFn,
     tolerance: float = 0.01,
     on_trial: Callable[[Trial], None] | None = None,
+    verification: DonorVerification | None = None,
+    similarities: Sequence[float] | None = None,
 ) -> tuple[CandidatePlan | None, list[Trial]]:
-    """The candidate that saves the most measured compute (1 − computed-token fraction) among those whose paired
+    """The candidate that saves the most measured compute (1 − computed-token fraction, above 0) among those whose paired
     loss bound against no reuse (``baseline[i]``: item i correct without reuse) is within ``tolerance``, or None.
 
     Candidates are tried by decreasing ``saving_bound``; the search stops once no remaining candidate could beat
-    the best measured saving, and a candidate is rejected as soon as it can no longer pass."""
-    order = sorted(grid, key=lambda c: (-saving_bound(c, num_steps), -c.k1, -c.threshold, c.alpha))
+    the best measured saving, and a candidate is rejected as soon as it can no longer pass. Each plan with a
+    Stage 1 carries ``verification``, as the planner's plans do, so what is measured is what the workers run.
+    A candidate with its own ``min_similarity`` (``similarities[i]``: item i's) leaves the items below it as no
+    reuse: they agree with the baseline and compute every token."""
+    order = sorted(
+        grid,
+        key=lambda c: (
+            -saving_bound(c, num_steps),
+            -c.k1,
+            -c.threshold,
+            c.alpha,
+            -(c.accept_max or 0.0),
+            c.min_similarity or -1.0,
+        ),
+    )
     trials: list[Trial] = []
     best: CandidatePlan | None = None
-    best_saving = -1.0
+    # A plan must save something to be chosen: one whose donor check turns most donors away computes more than
+    # no reuse (the thrown-away verification pass), and a row that saves nothing is no reuse, not a "hit".
+    best_saving = 0.0
     for cand in order:
         if saving_bound(cand, num_steps) <= best_saving + 1e-12:
             break
-        trial = _trial(cand, cand.plan(num_steps), baseline, evaluate, tolerance)
+        run = evaluate
+        if cand.min_similarity is not None:
+            if similarities is None:
+                raise ValueError("a candidate with its own min_similarity needs the items' similarities")
+            run = _above(cand.min_similarity, similarities, baseline, num_steps, evaluate)
+        trial = _trial(cand, cand.plan(num_steps, verification), baseline, run, tolerance)
         trials.append(trial)
         if on_trial is not None:
             on_trial(trial)
         if trial.passed and 1.0 - trial.tokens_fraction_mean > best_saving + 1e-12:
             best, best_saving = cand, 1.0 - trial.tokens_fraction_mean
     return best, trials
+
+
+def _above(
+    floor: float, similarities: Sequence[float], baseline: Sequence[bool], num_steps: int, evaluate: EvalFn
+) -> EvalFn:
+    """``evaluate`` for the items at or above ``floor``; below it, no reuse (nothing run)."""
+
+    def run(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
+        if similarities[i] >= floor:
+            return evaluate(i, plan)
+        return baseline[i], num_steps, 1.0, 1.0
+
+    return run
 
 
 def _trial(
@@ -378,16 +462,23 @@ def table_row(
             max_content_changes=spec.max_content_changes,
             k1=0.0,
             k2=0.0,
+            verified=spec.verified,
             measured=measured,
         )
     return CalibrationRow(
         name=spec.name,
-        min_similarity=spec.min_similarity,
+        min_similarity=max(spec.min_similarity, chosen.min_similarity or -1.0),
         max_content_changes=spec.max_content_changes,
         k1=fraction(chosen.k1, num_steps),
         k2=fraction(chosen.k2, num_steps),
         alpha=chosen.alpha,
         mask_threshold=chosen.threshold,
+        verified=spec.verified,
+        verification=(
+            None
+            if chosen.accept_max is None
+            else VerificationThresholds(accept_max=chosen.accept_max, shorten_max=chosen.accept_max)
+        ),
         measured=measured,
     )
 

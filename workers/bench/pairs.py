@@ -13,7 +13,9 @@ more noise seeds. Every target gets one donor per *pair class*:
 
 *Negative* pairs (``make_negative_pairs``, ``NEGATIVE_CLASSES``) are the changes no class measures: three or four
 attributes in the same words, or two to four in another template. They are only embedded, never generated: the
-calibration keeps every reusing row's admission rule above them (``calibrate.bound_rows``).
+calibration keeps every reusing row's admission rule above them (``calibrate.bound_rows``), except a verified
+row's, which is measured on them instead; the benchmark generates its own set of them wherever the planner
+would reuse, and counts what the model's donor check let through.
 
 Donors always use another noise seed than their target (``DONOR_SEED_OFFSET``), as another user's request would.
 Captions keep their filled-in template fields, so a donor differs from its target in exactly the words intended.
@@ -45,6 +47,9 @@ EVAL_SET_SEED = 0
 CALIBRATION_SET_SEED = 1
 NEGATIVE_SET_SEED = 2
 NEGATIVE_SEED_BASE = 4_000_000
+# The benchmark's own negatives (generated where the planner would reuse): apart from the calibration's.
+EVAL_NEGATIVE_SET_SEED = 6
+EVAL_NEGATIVE_SEED_BASE = 6_000_000
 # (class, attributes changed, reworded): what no measured class covers.
 _NEGATIVES: tuple[tuple[str, int, bool], ...] = (
     ("three-attributes", 3, False),

@@ -186,7 +186,19 @@ def bench_quality(
         256,
         min=0,
         help="Captions whose unmeasured changes (3-4 attributes, or 2-4 reworded) bound the calibrated rows' "
-        "similarity; only embedded, never generated.",
+        "similarity (embedded only); a verified row is measured on those it admits instead (--verified-negatives).",
+    ),
+    verified_negatives: int = typer.Option(
+        64,
+        min=0,
+        help="Negatives admitted by a verified row (paraphrase) that --calibrate generates and counts in the "
+        "row's paired test: the model's donor check, not similarity, must turn them away.",
+    ),
+    eval_negative_prompts: int = typer.Option(
+        32,
+        min=0,
+        help="Captions of the benchmark's own negatives (apart from the calibration's), generated wherever the "
+        "planner would reuse: the chorus/negatives row counts what the donor check let through (0: none).",
     ),
     min_row_pairs: int = typer.Option(
         8, min=1, help="Fewest measured calibration pairs a reusing row must admit to be kept."
@@ -248,6 +260,8 @@ class QualityArgs:
     calibration_prompts: int
     calibration_seeds: int
     negative_prompts: int
+    verified_negatives: int
+    eval_negative_prompts: int
     min_row_pairs: int
     tolerance: float
     out_dir: Path
@@ -266,6 +280,8 @@ class QualityArgs:
             ablation_alphas=QUICK_ALPHAS,
             sheet_prompts=min(self.sheet_prompts, QUICK_SHEET_PROMPTS),
             negative_prompts=min(self.negative_prompts, QUICK_NEGATIVE_PROMPTS),
+            verified_negatives=min(self.verified_negatives, QUICK_NEGATIVE_PROMPTS),
+            eval_negative_prompts=min(self.eval_negative_prompts, QUICK_PROMPTS),
             min_row_pairs=QUICK_MIN_ROW_PAIRS,
         )
 
@@ -367,6 +383,8 @@ def _settings_report(args: QualityArgs, parsed: _Parsed) -> dict[str, Any]:
         "calibration_prompts": args.calibration_prompts,
         "calibration_seeds": args.calibration_seeds,
         "negative_prompts": args.negative_prompts,
+        "verified_negatives": args.verified_negatives,
+        "eval_negative_prompts": args.eval_negative_prompts,
         "min_row_pairs": args.min_row_pairs,
         "tolerance": args.tolerance,
         "quick": args.quick,
@@ -408,6 +426,8 @@ def _bench_config(args: QualityArgs, parsed: _Parsed, command: str) -> BenchConf
         calibration_prompts=args.calibration_prompts,
         calibration_seeds=args.calibration_seeds,
         negative_prompts=args.negative_prompts,
+        verified_negatives=args.verified_negatives,
+        eval_negative_prompts=args.eval_negative_prompts,
         min_row_pairs=args.min_row_pairs,
         tolerance=args.tolerance,
         out_dir=args.out_dir,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ class Outcome:
     read: dict[str, str]
     steps_requested: int
     steps_computed: int
-    tokens_fraction: float  # the engine's computed-token fraction
+    tokens_fraction: float  # the engine's computed-token fraction, plus a thrown-away verification pass
     block_fraction: float  # measured block×token work / full work (see ``meter``)
     reused: bool  # a donor was actually used
     fallback: str | None = None
@@ -46,6 +47,8 @@ class Outcome:
     stage2_fractions: tuple[float, ...] = ()
     # The attributes the donor's prompt changed (set by the suite for donor pairs), for per-change summaries.
     changed: tuple[str, ...] = ()
+    # What the model's donor check decided (accepted, shortened, rejected, unverified); None: nothing checked.
+    verification: str | None = None
 
 
 def plan_label(plan: ReusePlan) -> str:
@@ -136,12 +139,15 @@ class QualityRunner:
         # "all" = every *judged* attribute right (all four unless the benchmark was told otherwise)
         correct["all"] = all(correct[a] for a in self.judge)
         n_blocks = self.meter.num_blocks
+        check = out.verification
+        # a rejected or shortened donor's verification pass was computed and thrown away: it counts
+        wasted = check.wasted_tokens_fraction / steps if check is not None else 0.0
         return Outcome(
             correct=correct,
             read=reading.attributes.as_dict(),
             steps_requested=steps,
             steps_computed=out.steps_computed,
-            tokens_fraction=out.tokens_computed_fraction,
+            tokens_fraction=out.tokens_computed_fraction + wasted,
             block_fraction=block_tokens / (steps * n_blocks * self.seq_len),
             reused=out.donor_request_id is not None,
             fallback=out.fallback,
@@ -150,6 +156,7 @@ class QualityRunner:
             trajectory=out.trajectory if keep_trajectory else None,
             seconds=seconds,
             stage2_fractions=tuple(s.active_fraction for s in out.steps if s.stage == 2 and s.computed),
+            verification=check.decision if check is not None else None,
         )
 
     def close(self) -> None:
@@ -234,6 +241,9 @@ class Row:
         stage2 = [f for o in self.outcomes for f in o.stage2_fractions]
         out["stage2_steps"] = len(stage2)
         out["stage2_active_fraction_mean"] = round(_mean(stage2), 4) if stage2 else None
+        checks = Counter(o.verification for o in self.outcomes if o.verification is not None)
+        if checks:
+            out["verification"] = dict(sorted(checks.items()))
         if any(o.changed for o in self.outcomes):
             out["by_changed"] = _by_changed(self.outcomes, baseline)
         out.update(self.extra)
@@ -257,6 +267,9 @@ def _by_changed(outcomes: Sequence[Outcome], baseline: Sequence[bool] | None) ->
             "stage2_active_fraction_mean": round(_mean(stage2), 4) if stage2 else None,
             "tokens_computed_fraction_mean": round(_mean([outcomes[i].tokens_fraction for i in idx]), 4),
         }
+        checks = Counter(outcomes[i].verification for i in idx if outcomes[i].verification is not None)
+        if checks:
+            entry["verification"] = dict(sorted(checks.items()))
         if baseline is not None:
             entry["no_reuse_all"] = round(_mean([float(baseline[i]) for i in idx]), 4)
         summary[key] = entry

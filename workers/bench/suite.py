@@ -37,7 +37,15 @@ from chorus_sched.planner import CalibrationTable, Planner, load_calibration, wr
 from workers.bench import calibrate as cal
 from workers.bench.cachedit import CacheDiTEngine, CacheDiTSettings
 from workers.bench.pair_facts import class_report, pair_facts
-from workers.bench.pairs import PAIR_CLASSES, Pair, eval_targets, make_pairs
+from workers.bench.pairs import (
+    EVAL_NEGATIVE_SEED_BASE,
+    EVAL_NEGATIVE_SET_SEED,
+    PAIR_CLASSES,
+    Pair,
+    eval_targets,
+    make_negative_pairs,
+    make_pairs,
+)
 from workers.bench.runner import Outcome, QualityRunner
 from workers.bench.suite_calibration import Calibration
 from workers.bench.suite_rows import PROBE_K1, PROBE_K2, StepCountBench
@@ -88,6 +96,9 @@ class BenchConfig:
     calibration_prompts: int = 64
     calibration_seeds: int = 1
     negative_prompts: int = 256
+    # negatives admitted by a verified row that are generated and measured with it
+    verified_negatives: int = 64
+    eval_negative_prompts: int = 32  # captions of the benchmark's own negatives (0: none)
     min_row_pairs: int = cal.MIN_ROW_PAIRS
     tolerance: float = 0.01
     grid: Callable[[int], tuple[list[float], list[float], list[float], list[float]]] = cal.default_grid
@@ -182,11 +193,26 @@ class Suite:
         cfg = self.cfg
         targets = eval_targets(cfg.prompts, cfg.seeds)
         infos = pair_facts(make_pairs(targets, cfg.classes), ignorable)
+        negatives = (
+            pair_facts(
+                make_negative_pairs(
+                    eval_targets(
+                        cfg.eval_negative_prompts,
+                        set_seed=EVAL_NEGATIVE_SET_SEED,
+                        seed_base=EVAL_NEGATIVE_SEED_BASE,
+                    ),
+                    seed=3,
+                ),
+                ignorable,
+            )
+            if cfg.eval_negative_prompts and "chorus" in cfg.rows
+            else []
+        )
         sheet_targets = {t.index for t in targets[: cfg.sheet_prompts]} if "sheet" in cfg.rows else set()
         rows: list[dict[str, Any]] = []
         sheets: list[dict[str, Any]] = []
         for n in cfg.steps:
-            step_count = StepCountBench(self, n, targets, infos, planner, sheet_targets)
+            step_count = StepCountBench(self, n, targets, infos, planner, sheet_targets, negatives)
             rows.extend(step_count.run())
             if sheet_targets:
                 sheet = step_count.sheet()

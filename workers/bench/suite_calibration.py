@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from chorus_sched.planner import CalibrationRow, CalibrationTable
+from chorus_sched.planner import CalibrationRow, CalibrationTable, VerificationThresholds
 from producer.contract import ReusePlan
 from workers.bench import calibrate as cal
 from workers.bench.pair_facts import PairFacts, class_report, pair_facts
@@ -46,6 +46,22 @@ class CalibrationSet:
     dropped: list[str]  # rows left with too few measured pairs
     routed: dict[str, list[PairFacts]]  # row name -> the calibration pairs it admits
     negatives_at: dict[str, Counter[str]]  # row name -> negatives it admits, per negative class
+    # verified row name -> the negatives it admits that are generated and measured with it (a sample)
+    measured_negatives: dict[str, list[PairFacts]]
+
+
+def sample_by_class(pairs: Sequence[PairFacts], limit: int) -> list[PairFacts]:
+    """At most ``limit`` of ``pairs``, taken in turn from each class (first come first), so that every class
+    reaching a row is measured."""
+    queues: dict[str, list[PairFacts]] = {}
+    for f in pairs:
+        queues.setdefault(f.pair.pair_class, []).append(f)
+    out: list[PairFacts] = []
+    while len(out) < limit and any(queues.values()):
+        for queue in queues.values():
+            if queue and len(out) < limit:
+                out.append(queue.pop(0))
+    return out
 
 
 def calibration_set(cfg: BenchConfig, ignorable: Sequence[str]) -> CalibrationSet:
@@ -80,7 +96,15 @@ def calibration_set(cfg: BenchConfig, ignorable: Sequence[str]) -> CalibrationSe
         spec = cal.route(specs, info.similarity, info.content_changes)
         if spec is not None:
             routed[spec.name].append(info)
-    return CalibrationSet(targets, infos, negatives, specs, dropped, routed, negatives_at)
+    measured = {
+        s.name: sample_by_class(
+            [f for f in negatives if cal.route(specs, f.similarity, f.content_changes) == s],
+            cfg.verified_negatives,
+        )
+        for s in specs
+        if s.verified
+    }
+    return CalibrationSet(targets, infos, negatives, specs, dropped, routed, negatives_at, measured)
 
 
 def set_report(cfg: BenchConfig, cs: CalibrationSet) -> dict[str, Any]:
@@ -102,10 +126,16 @@ def set_report(cfg: BenchConfig, cs: CalibrationSet) -> dict[str, Any]:
                 "negatives_max_similarity": s.negatives_max_similarity,
                 "routed_pairs": dict(Counter(i.pair.pair_class for i in cs.routed[s.name])),
                 "routed_negatives": dict(cs.negatives_at[s.name]),
+                "verified": s.verified,
+                "measured_negatives": dict(
+                    Counter(f.pair.pair_class for f in cs.measured_negatives.get(s.name, []))
+                ),
             }
             for s in cs.specs
         ],
         "min_row_pairs": cfg.min_row_pairs,
+        "verified_negatives": cfg.verified_negatives,
+        "verification": VerificationThresholds().model_dump(),
         "dropped_rows": cs.dropped,
         "negative_set": {
             "prompts": cfg.negative_prompts,
@@ -115,6 +145,45 @@ def set_report(cfg: BenchConfig, cs: CalibrationSet) -> dict[str, Any]:
         "pair_classes": class_report(cs.infos, None, []),
         "negative_classes": class_report(cs.negatives, None, []) if cs.negatives else {},
         "regimes": [],
+    }
+
+
+def target_key(t: Target) -> tuple[str, int]:
+    """A target across sets (the calibration and negative sets number their targets from 0 each)."""
+    return (t.prompt, t.seed)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One pair under one candidate plan: the donor check's decision (None: nothing checked), whether the donor
+    was used, and whether the clip was all correct."""
+
+    decision: str | None
+    reused: bool
+    correct: bool
+
+
+def verification_counts(items: Sequence[PairFacts], checked: dict[int, Checked]) -> dict[str, dict[str, int]]:
+    """Per pair class, how many pairs each decision of the donor check got (pairs not evaluated left out)."""
+    out: dict[str, Counter[str]] = {}
+    for k, c in checked.items():
+        out.setdefault(items[k].pair.pair_class, Counter())[c.decision or "none"] += 1
+    return {cls: dict(sorted(counts.items())) for cls, counts in sorted(out.items())}
+
+
+def negative_harm(
+    items: Sequence[PairFacts], baseline: Sequence[bool], checked: dict[int, Checked], first_negative: int
+) -> dict[str, int]:
+    """Of the negatives (items from ``first_negative`` on): how many were measured, how many kept their donor
+    after the check, and how many of those came out wrong where no reuse was right (an attribute the target
+    asked for lost to the donor)."""
+    negatives = [k for k in checked if k >= first_negative]
+    reused = [k for k in negatives if checked[k].reused]
+    harmed = [k for k in reused if baseline[k] and not checked[k].correct]
+    return {
+        "negatives_measured": len(negatives),
+        "negatives_reused": len(reused),
+        "negatives_harmed": len(harmed),
     }
 
 
@@ -130,12 +199,18 @@ class Calibration:
         cs = calibration_set(self.cfg, self.ignorable)
         report = set_report(self.cfg, cs)
         regimes: list[tuple[str, int, list[Any]]] = []
+        negative_targets = list(
+            {
+                target_key(f.pair.target): f.pair.target for fs in cs.measured_negatives.values() for f in fs
+            }.values()
+        )
         for name, n, _ in cal.regime_bounds(self.cfg.steps):
-            base = self.no_reuse(cs.targets, n)
+            base = self.no_reuse([*cs.targets, *negative_targets], n)
             rows = []
             regime_report: dict[str, Any] = {"name": name, "steps": n, "rows": []}
             for spec in cs.specs:
-                row, entry = self.row(spec, cs.routed[spec.name], base, n)
+                negatives = cs.measured_negatives.get(spec.name, [])
+                row, entry = self.row(spec, cs.routed[spec.name], negatives, base, n)
                 rows.append(row)
                 regime_report["rows"].append(entry)
             regimes.append((name, n, rows))
@@ -143,19 +218,25 @@ class Calibration:
         table = cal.build_table(regimes, self.cfg.command, self.note(cs.dropped), self.ignorable)
         return table, report
 
-    def no_reuse(self, targets: Sequence[Target], n: int) -> dict[int, bool]:
-        """All-correct flag of every calibration target at N steps without reuse, by target index."""
-        base: dict[int, bool] = {}
+    def no_reuse(self, targets: Sequence[Target], n: int) -> dict[tuple[str, int], bool]:
+        """All-correct flag of every target at N steps without reuse, by ``target_key``."""
+        base: dict[tuple[str, int], bool] = {}
         with self.suite.progress.phase(f"calibration N={n}: no reuse", len(targets)) as tick:
             for t in targets:
-                base[t.index] = self.suite.runner.run(t.prompt, t.seed, n, t.attributes).correct["all"]
+                base[target_key(t)] = self.suite.runner.run(t.prompt, t.seed, n, t.attributes).correct["all"]
                 tick()
         return base
 
     def row(
-        self, spec: cal.RowSpec, items: list[PairFacts], base: dict[int, bool], n: int
+        self,
+        spec: cal.RowSpec,
+        items: list[PairFacts],
+        negatives: list[PairFacts],
+        base: dict[tuple[str, int], bool],
+        n: int,
     ) -> tuple[CalibrationRow, dict[str, Any]]:
-        """The table row ``spec`` at N steps and its report entry: the sweep's choice over the row's pairs."""
+        """The table row ``spec`` at N steps and its report entry: the sweep's choice over the row's pairs (and,
+        for a verified row, the negatives it admits: what the model's check must turn away)."""
         if not spec.calibrated or not items:
             return cal.table_row(spec, n, None, None), {
                 "name": spec.name,
@@ -163,8 +244,9 @@ class Calibration:
                 "pairs": len(items),
             }
         items = sorted(items, key=lambda i: (i.pair.target.index, PAIR_CLASSES.index(i.pair.pair_class)))
-        baseline = [base[i.pair.target.index] for i in items]
-        chosen, trials = self.sweep(spec, items, baseline, n)
+        items = [*items, *negatives]
+        baseline = [base[target_key(i.pair.target)] for i in items]
+        chosen, trials, checks = self.sweep(spec, items, baseline, n)
         base_acc = sum(baseline) / len(baseline)
         measured: dict[str, float] = {
             "steps": float(n),
@@ -188,20 +270,29 @@ class Calibration:
                     "loss_bound": round(win.loss_bound, 4),
                 }
             )
-        entry = {
+        entry: dict[str, Any] = {
             "name": spec.name,
             "pairs": len(items),
+            "negatives": len(negatives),
             "no_reuse_all_correct": round(base_acc, 4),
             "chosen": win.as_dict(n) if win is not None else None,
             "trials": [tr.as_dict(n) for tr in trials],
         }
+        decided = checks.get(chosen) if chosen is not None else None
+        if decided:
+            entry["chosen_verification"] = verification_counts(items, decided)
+            if negatives:
+                harm = negative_harm(items, baseline, decided, first_negative=len(items) - len(negatives))
+                measured.update({k: float(v) for k, v in harm.items()})
+                entry["negatives_outcome"] = harm
         return cal.table_row(spec, n, chosen, measured), entry
 
     def sweep(
         self, spec: cal.RowSpec, items: list[PairFacts], baseline: list[bool], n: int
-    ) -> tuple[cal.CandidatePlan | None, list[cal.Trial]]:
+    ) -> tuple[cal.CandidatePlan | None, list[cal.Trial], dict[cal.CandidatePlan, dict[int, Checked]]]:
         """Generate the row's donors, then try the candidate plans on its pairs (the donors are dropped on
-        return, before the next row generates its own)."""
+        return, before the next row generates its own). Also returns, per candidate and pair, what the model's
+        donor check decided and whether the clip came out right."""
         progress, runner = self.suite.progress, self.suite.runner
         donors: list[Trajectory] = []
         with progress.phase(f"calibration N={n} {spec.name}: donors", len(items)) as tick:
@@ -209,15 +300,34 @@ class Calibration:
                 donors.append(self.suite.donor(info.pair, n)[1])
                 tick()
 
+        checks: dict[str, dict[int, Checked]] = {}  # by the plan as run (JSON)
+
         def evaluate(k: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
             t = items[k].pair.target
             o = runner.run(t.prompt, t.seed, n, t.attributes, plan=plan, donor=donors[k])
+            checks.setdefault(plan.model_dump_json(), {})[k] = Checked(
+                o.verification, o.reused, o.correct["all"]
+            )
             return o.correct["all"], o.steps_computed, o.tokens_fraction, o.block_fraction
 
         k1f, k2f, alphas, thresholds = self.cfg.grid(n)
         grid = cal.candidates(n, k1f, k2f, alphas, thresholds)
+        if spec.verified:  # only Stage-1 plans (the planner never applies it otherwise), at each threshold
+            grid = cal.verified_candidates(grid)
+        policy = VerificationThresholds().for_plan()  # the thresholds ``build_table`` writes
         with progress.phase(f"calibration N={n} {spec.name}: candidates", len(grid)) as tick:
-            return cal.sweep(n, grid, baseline, evaluate, self.cfg.tolerance, on_trial=lambda _t: tick())
+            chosen, trials = cal.sweep(
+                n,
+                grid,
+                baseline,
+                evaluate,
+                self.cfg.tolerance,
+                on_trial=lambda _t: tick(),
+                verification=policy,
+                similarities=[i.similarity for i in items],
+            )
+        by_candidate = {c: checks.get(c.plan(n, policy).model_dump_json(), {}) for c in grid}
+        return chosen, trials, by_candidate
 
     def note(self, dropped: list[str]) -> str:
         cfg = self.cfg
@@ -230,5 +340,9 @@ class Calibration:
             "measured similarities, or 3 content words, were not measured); each reusing row admits only "
             f"similarities above every unmeasured change (3-4 attributes, or 2-4 reworded; {cfg.negative_prompts} "
             f"captions) that would reach it, and rows left with under {cfg.min_row_pairs} measured pairs are "
-            f"dropped{' (here: ' + ', '.join(dropped) + ')' if dropped else ''}. See workers/bench/calibrate.py."
+            f"dropped{' (here: ' + ', '.join(dropped) + ')' if dropped else ''}. A verified row (paraphrase: other "
+            "words, changes > 3) is not bounded by the negatives: it applies only while the worker checks each donor "
+            "with the model, and up to "
+            f"{cfg.verified_negatives} negatives it admits are generated and counted in its paired test. Plans with "
+            "a Stage 1 were measured with the table's verification thresholds. See workers/bench/calibrate.py."
         )

@@ -65,8 +65,10 @@ class StepCountBench:
         infos: Sequence[PairFacts],
         planner: Planner,
         sheet_targets: set[int],
+        negatives: Sequence[PairFacts] = (),
     ) -> None:
         self.suite = suite
+        self.negative_pairs = negatives
         self.cfg = suite.cfg
         self.n = n
         self.targets = targets
@@ -97,7 +99,56 @@ class StepCountBench:
             self.pair_class(cls)
         if self.pooled.outcomes:
             self.rows.append(self.pooled.summary(self.pooled_base))
+        if self.negative_pairs and "chorus" in self.want:
+            self.negatives()
         return self.rows
+
+    # --- negatives: changes no row was measured on, generated wherever the planner would reuse --------------
+    def negatives(self) -> None:
+        """The planner's plan on each negative pair it would reuse for (each with its donor and its own no-reuse
+        clip): what the model's donor check turned away and what it let through. A kept donor that got an
+        attribute wrong which no reuse got right is *harmed*."""
+        n = self.n
+        planned = [
+            (info, choice.plan)
+            for info in self.negative_pairs
+            for choice in [
+                self.planner.plan(
+                    info.similarity, word_diff(info.pair.donor_prompt, info.pair.target.prompt), n
+                )
+            ]
+            if choice.plan.reuses
+        ]
+        row = Row(
+            f"chorus/negatives@{n}",
+            "chorus",
+            n,
+            "negatives",
+            "planner's plan on the negative pairs it would reuse for (3-4 attributes, or 2-4 in other words)",
+        )
+        base: list[bool] = []
+        harmed: Counter[str] = Counter()
+        with self.suite.progress.phase(f"N={n}: negatives the planner reuses for", len(planned)) as tick:
+            for info, plan in planned:
+                t = info.pair.target
+                alone = self.suite.runner.run(t.prompt, t.seed, n, t.attributes)
+                donor = self.suite.donor(info.pair, n)[1]
+                o = self.suite.runner.run(t.prompt, t.seed, n, t.attributes, plan=plan, donor=donor)
+                o.changed = info.pair.changed
+                if o.reused and any(alone.correct[a] and not o.correct[a] for a in self.suite.runner.judge):
+                    harmed[info.pair.pair_class] += 1
+                row.add(o)
+                base.append(alone.correct["all"])
+                tick()
+        row.extra = {
+            "negative_pairs": len(self.negative_pairs),
+            "planned_reuse": len(planned),
+            "planned_by_class": dict(Counter(i.pair.pair_class for i, _ in planned)),
+            "kept_donor": sum(1 for o in row.outcomes if o.reused),
+            "harmed": sum(harmed.values()),
+            "harmed_by_class": dict(harmed),
+        }
+        self.rows.append(row.summary(base))
 
     # --- no-reuse and cache-dit alone: every target --------------------------------------------------------
     def no_reuse(self) -> None:

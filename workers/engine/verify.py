@@ -122,6 +122,7 @@ def verify_donor(
         step=k1,
         stage1_steps=start.stage1_steps,
         wasted_seconds=wasted,
+        wasted_tokens_fraction=min(1.0, max(0.0, stat.active_fraction)),
     )
     _log(run, decision, signal, k1, start.stage1_steps, wasted)
     return start, None

@@ -71,3 +71,49 @@ def test_regime_thresholds_override_the_table_and_can_switch_it_off(tmp_path: Pa
 def test_a_shorten_band_below_the_accept_bound_is_refused() -> None:
     with pytest.raises(CalibrationError, match="shorten_max must not be below accept_max"):
         parse_calibration(json.dumps(_table(verification={"accept_max": 0.05, "shorten_max": 0.01})))
+
+
+def _with_verified_row(**extra: Any) -> dict[str, Any]:
+    table = _table(**extra)
+    loose = {
+        "name": "reworded",
+        "min_similarity": 0.3,
+        "max_content_changes": 9,
+        "k1": 0.75,
+        "k2": 0.0,
+        "verified": True,
+    }
+    for regime in table["regimes"]:
+        regime["rows"] = [*regime["rows"], loose]
+    return table
+
+
+def test_a_verified_row_applies_only_while_the_worker_checks_donors() -> None:
+    other_words = "a crimson ring drifting leftward over a pale backdrop"
+    on = Planner(parse_calibration(json.dumps(_with_verified_row())))
+    choice = on.plan(0.5, word_diff(other_words, RED), 4)
+    assert choice.row == "reworded" and choice.plan.stage1_steps == 3
+    assert choice.plan.verification is not None and "verifies the donor" in choice.reason
+    off = Planner(parse_calibration(json.dumps(_with_verified_row(verification={"enabled": False}))))
+    refused = off.plan(0.5, word_diff(other_words, RED), 4)
+    assert not refused.reuses and refused.row is None
+    # rows that stand on similarity alone still reuse without the check
+    assert off.plan(1.0, word_diff(RED, RED), 4).reuses
+
+
+def test_a_verified_row_without_a_stage1_is_refused() -> None:
+    table = _with_verified_row()
+    table["regimes"][0]["rows"][-1].update({"k1": 0.0, "k2": 0.5})
+    with pytest.raises(CalibrationError, match="verified row needs a Stage 1"):
+        parse_calibration(json.dumps(table))
+
+
+def test_a_row_s_own_thresholds_override_the_regime_s() -> None:
+    table = _with_verified_row(verification={"accept_max": 0.02, "shorten_max": 0.05})
+    table["regimes"][0]["rows"][-1]["verification"] = {"accept_max": 0.008, "shorten_max": 0.008}
+    planner = Planner(parse_calibration(json.dumps(table)))
+    own = planner.plan(0.5, word_diff("a crimson ring drifting leftward over a pale backdrop", RED), 4)
+    assert own.plan.verification is not None
+    assert (own.plan.verification.accept_max, own.plan.verification.shorten_max) == (0.008, 0.008)
+    table_wide = _verification(planner, 4)
+    assert table_wide is not None and table_wide.accept_max == 0.02

@@ -13,7 +13,7 @@ import pytest
 
 from chorus_sched.embedding import MiniLMEmbedder, word_diff
 from chorus_sched.planner import Planner, load_calibration, write_calibration
-from producer.contract import ReusePlan
+from producer.contract import DonorVerification, ReusePlan
 from workers.bench import calibrate as cal
 from workers.bench.pairs import eval_targets, make_pairs
 from workers.toy import world
@@ -69,16 +69,42 @@ def _negative(similarity: float, changes: int) -> cal.PairFacts:
 
 def test_negatives_raise_the_row_they_reach_above_them() -> None:
     facts = _facts()
-    # 3 changes: the blocker takes it and bounds nothing; 5 changes at 0.585 reaches the paraphrase row
-    negatives = [_negative(0.95, 3), _negative(0.585, 5), _negative(0.2, 5)]
-    rows = cal.derive_rows(facts, negatives)
-    para = rows[-1]
+    # 3 changes: the blocker takes it and bounds nothing; 2 changes at 0.675 reaches the two-attribute row
+    negatives = [_negative(0.95, 3), _negative(0.675, 2), _negative(0.2, 2)]
+    rows = cal.derive_rows(facts, negatives, min_pairs=1)
+    two = rows[2]
     assert (
-        para.name == "paraphrase" and para.min_similarity == 0.59 and para.negatives_max_similarity == 0.585
+        two.name == "two-attributes" and two.min_similarity == 0.68 and two.negatives_max_similarity == 0.675
     )
-    assert [r.negatives_max_similarity for r in rows[:-1]] == [None] * 4
-    assert cal.route(rows, 0.585, 5) is None and cal.route(rows, 0.59, 5) is para
+    assert [r.negatives_max_similarity for r in rows if r is not two] == [None] * 4
+    assert cal.route(rows, 0.675, 2) is rows[3] and cal.route(rows, 0.68, 2) is two  # the blocker takes it
     assert cal.above(0.58) == 0.59 and cal.above(0.5801) == 0.59
+
+
+def test_the_paraphrase_row_is_verified_and_measured_on_its_negatives_instead_of_bounded() -> None:
+    facts = _facts()
+    unbounded = cal.derive_rows(facts)[-1]
+    # 5 changes at 0.585, within the paraphrases' similarities: it would have raised a similarity-only row
+    rows = cal.derive_rows(facts, [_negative(0.585, 5), _negative(0.61, 6)])
+    para = rows[-1]
+    assert para.name == "paraphrase" and para.verified and para == unbounded
+    assert cal.route(rows, 0.585, 5) is para  # admitted: the worker's model check decides
+    assert not any(r.verified for r in rows[:-1])
+    table_row = cal.table_row(para, 4, cal.CandidatePlan(3, 0), None)
+    assert table_row.verified and table_row.k1 == 0.75 and table_row.verification is None
+    # its candidates: Stage-1 plans only, each at every acceptance threshold of the check, loosest first
+    grid = cal.verified_candidates([cal.CandidatePlan(3, 0), cal.CandidatePlan(0, 2)], (0.01, 0.02), ())
+    assert grid == [cal.CandidatePlan(3, 0, accept_max=0.02), cal.CandidatePlan(3, 0, accept_max=0.01)]
+    floors = cal.verified_candidates([cal.CandidatePlan(3, 0)], (0.01,), (0.8, 0.7))
+    assert [c.min_similarity for c in floors] == [None, 0.7, 0.8]
+    assert cal.table_row(para, 4, floors[2], None).min_similarity == 0.8
+    plan = grid[1].plan(4, DonorVerification(accept_max=0.5))
+    assert (
+        plan.verification is not None
+        and plan.verification.accept_max == plan.verification.shorten_max == 0.01
+    )
+    written = cal.table_row(para, 4, grid[1], None)
+    assert written.verification is not None and written.verification.accept_max == 0.01
 
 
 def test_a_row_negatives_leave_too_few_pairs_is_dropped_and_bounding_starts_again() -> None:
@@ -89,9 +115,6 @@ def test_a_row_negatives_leave_too_few_pairs_is_dropped_and_bounding_starts_agai
     assert [r.name for r in rows] == ["same-prompt", cal.BLOCKER, "paraphrase"]
     one = next(f for f in facts if f.pair.pair_class == "one-attribute")
     assert cal.route(rows, one.similarity, one.content_changes) is rows[1]  # refused, not reused
-    # above every paraphrase: no reusing row is left for reworded prompts
-    rows = cal.derive_rows(facts, [_negative(0.61, 6)])
-    assert [r.name for r in rows] == ["same-prompt", "one-attribute", "two-attributes", cal.BLOCKER]
 
 
 def test_rows_admitting_fewer_than_min_pairs_are_dropped() -> None:
@@ -174,6 +197,43 @@ def test_sweep_rejects_at_the_end_without_stopping_early() -> None:
     assert trial.evaluated == 20 and trial.wrong == 1 and (trial.lost, trial.gained) == (1, 0)
 
 
+def test_sweep_chooses_no_plan_that_saves_nothing_and_verification_reaches_stage1_plans() -> None:
+    """A plan whose donor check turns the donors away computes more than no reuse (the thrown-away pass): it may
+    pass on accuracy, but it is no reuse, not a hit."""
+    policy = DonorVerification(accept_max=0.01)
+    seen: list[ReusePlan] = []
+
+    def evaluate(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
+        seen.append(plan)
+        return True, 4, 1.25 if plan.stage1_steps else 1.0, 1.25
+
+    grid = [cal.CandidatePlan(3, 0), cal.CandidatePlan(0, 2, 2.0)]
+    chosen, trials = cal.sweep(4, grid, [True] * 10, evaluate, verification=policy)
+    assert chosen is None and [t.passed for t in trials] == [True, True]
+    assert {p.stage1_steps: p.verification for p in seen} == {3: policy, 0: None}
+
+
+def test_a_similarity_floor_leaves_the_pairs_below_it_unreused_and_saves_by_admitting_fewer() -> None:
+    """Below a candidate's own floor nothing runs: no reuse, every token computed, agreeing with the baseline.
+    Above it, donors the check turns away cost a thrown-away pass (1.25 here)."""
+    similarities = [0.9, 0.9, 0.5, 0.5, 0.5, 0.5]
+    ran: list[int] = []
+
+    def evaluate(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
+        ran.append(i)
+        return True, 2, (0.5 if similarities[i] > 0.8 else 1.25), 0.0
+
+    grid = cal.verified_candidates([cal.CandidatePlan(2, 0)], (0.01,), (0.8,))
+    chosen, trials = cal.sweep(4, grid, [True] * 6, evaluate, similarities=similarities)
+    assert chosen == cal.CandidatePlan(2, 0, accept_max=0.01, min_similarity=0.8)
+    loose, floored = trials
+    assert loose.tokens_fraction_mean == (2 * 0.5 + 4 * 1.25) / 6 and loose.passed  # passes, saves nothing
+    assert floored.tokens_fraction_mean == (2 * 0.5 + 4 * 1.0) / 6
+    assert ran == [0, 1, 2, 3, 4, 5, 0, 1]
+    with pytest.raises(ValueError, match="similarities"):
+        cal.sweep(4, grid, [True] * 6, evaluate)
+
+
 def test_the_paired_bound_charges_churn_that_a_net_count_would_let_pass() -> None:
     """Three clips lost and three gained nets to zero, but says the plan re-rolls fragile clips: rejected. No
     discordant clip, or only gains, passes; a single loss needs several gains to be forgiven."""
@@ -181,6 +241,9 @@ def test_the_paired_bound_charges_churn_that_a_net_count_would_let_pass() -> Non
     assert cal.paired_loss_bound(0, 0, 64) == 0.0
     assert cal.paired_loss_bound(3, 3, 64) > tol
     assert cal.paired_loss_bound(0, 1, 100) <= tol
+    assert (
+        cal.paired_loss_bound(0, 1, 32) < 0 and cal.paired_loss_bound(0, 5, 32) < 0
+    )  # gains alone never fail
     assert cal.paired_loss_bound(1, 0, 100) > tol
     assert cal.paired_loss_bound(1, 1, 100) > tol
     assert cal.paired_loss_bound(1, 6, 100) <= tol
@@ -244,12 +307,17 @@ def test_regime_bounds() -> None:
         cal.regime_bounds([4, 6])
 
 
-def test_the_shipped_table_reuses_no_held_out_pair_that_changes_three_or_more_attributes() -> None:
+def test_the_shipped_table_reuses_no_held_out_pair_changing_three_or_more_attributes_unverified() -> None:
     # Every pair of held-out prompts (a caption stream apart from the calibration's negatives), planned the way
     # the scheduler plans: MiniLM similarity and the word diff. Only one- and two-attribute changes were measured.
     prompts = world.eval_prompts(150, seed=5)
     vectors = np.asarray(MiniLMEmbedder().embed([p for p, _ in prompts]), dtype=np.float64)
-    planner = Planner(load_calibration())
+    table = load_calibration()
+    planner = Planner(table)
+
+    def verified(row: str | None, steps: int) -> bool:
+        return any(r.name == row and r.verified for r in table.regime_for(steps).rows)
+
     reused: Counter[int] = Counter()
     for a, b in itertools.combinations(range(len(prompts)), 2):
         (target, ta), (donor, tb) = prompts[a], prompts[b]
@@ -258,5 +326,7 @@ def test_the_shipped_table_reuses_no_held_out_pair_that_changes_three_or_more_at
             choice = planner.plan(float(vectors[a] @ vectors[b]), word_diff(donor, target), steps)
             if choice.reuses:
                 reused[changed] += 1
-                assert changed <= 2, (target, donor, steps, choice.reason)
+                # more changes reach only a verified row: each such donor is checked by the model first
+                assert changed <= 2 or verified(choice.row, steps), (target, donor, steps, choice.reason)
+                assert choice.plan.verification is not None or choice.plan.stage1_steps == 0
     assert reused[1] > 0 and reused[2] > 0  # the rows do apply to what they measured

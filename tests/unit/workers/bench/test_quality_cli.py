@@ -105,6 +105,17 @@ def test_quick_bench_with_calibration(tiny_toy_weights: Path, tmp_path: Path) ->
     assert choice.row == "same-prompt" and choice.plan.stage1_steps == 1
     same = [r for r in report["rows"] if r["id"] == "chorus/same-prompt@2"]
     assert same and same[0]["reused_fraction"] == 1.0 and same[0]["steps_computed_mean"] == 1.0
+    # every same-prompt donor was checked by the model (the random model's prompts barely move its output)
+    assert sum(same[0]["verification"].values()) == same[0]["n"]
+
+    # the paraphrase row is verified; the negatives it admits were generated with it, and the benchmark's own
+    # negatives were planned (and generated where the planner reuses)
+    para = next(r for r in report["calibration"]["rows"] if r["name"] == "paraphrase")
+    assert para["verified"] and sum(para["measured_negatives"].values()) > 0
+    assert any(r.verified for r in table.regimes[0].rows)
+    [negatives] = [r for r in report["rows"] if r["id"] == "chorus/negatives@2"]
+    assert negatives["negative_pairs"] == 2 * 5 and negatives["planned_reuse"] == negatives["n"]
+    assert 0 <= negatives["harmed"] <= negatives["kept_donor"] <= negatives["n"]
 
     [sheet] = report["contact_sheets"]
     with Image.open(sheet["path"]) as image:

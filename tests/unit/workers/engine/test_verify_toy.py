@@ -67,4 +67,5 @@ def test_a_threshold_below_the_signal_shortens_or_rejects(toy_engine: Engine) ->
     rejected = _reuse(toy_engine, COLOUR, SEEDS[0], DonorVerification(accept_max=signal / 100))
     assert rejected.verification is not None and rejected.verification.decision == "rejected"
     assert rejected.steps_computed == 4 and rejected.tokens_computed_fraction == 1.0
+    assert rejected.verification.wasted_tokens_fraction == 1.0  # the thrown-away pass was a full step
     assert rejected.fallback is not None and "donor rejected" in rejected.fallback
