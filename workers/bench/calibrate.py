@@ -44,7 +44,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from chorus_sched.planner import CalibrationRow, CalibrationTable, Regime, VerificationThresholds, admits
 from producer.contract import DonorVerification, ReusePlan
@@ -291,7 +291,18 @@ class Trial:
 
 
 # (item index, plan) -> (all attributes correct, steps computed, tokens fraction, block fraction)
-EvalFn = Callable[[int, ReusePlan], tuple[bool, int, float, float]]
+class Evaluated(NamedTuple):
+    """One item under one plan: all correct, steps computed, token and block fractions, and whether the output
+    started from the donor's latent (a Stage-1 donor kept), which decides the no-reuse clip it is paired with."""
+
+    ok: bool
+    steps: int
+    tokens: float
+    blocks: float
+    kept_donor: bool = False
+
+
+EvalFn = Callable[[int, ReusePlan], tuple[bool, int, float, float] | Evaluated]
 
 
 # One-sided 95% normal quantile.
@@ -333,6 +344,7 @@ def sweep(
     on_trial: Callable[[Trial], None] | None = None,
     verification: DonorVerification | None = None,
     similarities: Sequence[float] | None = None,
+    donor_baseline: Sequence[bool] | None = None,
 ) -> tuple[CandidatePlan | None, list[Trial]]:
     """The candidate that saves the most measured compute (1 − computed-token fraction, above 0) among those whose paired
     loss bound against no reuse (``baseline[i]``: item i correct without reuse) is within ``tolerance``, or None.
@@ -341,7 +353,13 @@ def sweep(
     the best measured saving, and a candidate is rejected as soon as it can no longer pass. Each plan with a
     Stage 1 carries ``verification``, as the planner's plans do, so what is measured is what the workers run.
     A candidate with its own ``min_similarity`` (``similarities[i]``: item i's) leaves the items below it as no
-    reuse: they agree with the baseline and compute every token."""
+    reuse: they agree with the baseline and compute every token.
+
+    ``donor_baseline[i]``: item i's target prompt without reuse *from the donor's noise*. An output that kept a
+    Stage-1 donor started from the donor's latent, so it is that noise's sample, not the target seed's: it is
+    paired with this clip, and the test measures what reusing the donor's steps cost, not which seed re-rolled
+    a fragile clip. Outputs from the target's own noise (Stage 2 only, donor turned away, not admitted) are
+    paired with ``baseline``."""
     order = sorted(
         grid,
         key=lambda c: (
@@ -366,7 +384,7 @@ def sweep(
             if similarities is None:
                 raise ValueError("a candidate with its own min_similarity needs the items' similarities")
             run = _above(cand.min_similarity, similarities, baseline, num_steps, evaluate)
-        trial = _trial(cand, cand.plan(num_steps, verification), baseline, run, tolerance)
+        trial = _trial(cand, cand.plan(num_steps, verification), baseline, run, tolerance, donor_baseline)
         trials.append(trial)
         if on_trial is not None:
             on_trial(trial)
@@ -380,33 +398,44 @@ def _above(
 ) -> EvalFn:
     """``evaluate`` for the items at or above ``floor``; below it, no reuse (nothing run)."""
 
-    def run(i: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
+    def run(i: int, plan: ReusePlan) -> tuple[bool, int, float, float] | Evaluated:
         if similarities[i] >= floor:
             return evaluate(i, plan)
-        return baseline[i], num_steps, 1.0, 1.0
+        return Evaluated(baseline[i], num_steps, 1.0, 1.0)
 
     return run
 
 
 def _trial(
-    cand: CandidatePlan, plan: ReusePlan, baseline: Sequence[bool], evaluate: EvalFn, tolerance: float
+    cand: CandidatePlan,
+    plan: ReusePlan,
+    baseline: Sequence[bool],
+    evaluate: EvalFn,
+    tolerance: float,
+    donor_baseline: Sequence[bool] | None = None,
 ) -> Trial:
     """One candidate over the paired clips, stopped once it can no longer pass."""
     n = len(baseline)
+    # a clip yet to run could gain where either of its possible pairings was wrong
+    open_gain = [
+        not b or (donor_baseline is not None and not donor_baseline[i]) for i, b in enumerate(baseline)
+    ]
     lost = gained = wrong = 0
     steps: list[int] = []
     tokens: list[float] = []
     blocks: list[float] = []
     early = False
     for i in range(n):
-        ok, s, tf, bf = evaluate(i, plan)
+        result = evaluate(i, plan)
+        ok, s, tf, bf, kept = result if isinstance(result, Evaluated) else Evaluated(*result)
         steps.append(s)
         tokens.append(tf)
         blocks.append(bf)
+        paired = donor_baseline[i] if donor_baseline is not None and kept else baseline[i]
         wrong += not ok
-        lost += baseline[i] and not ok
-        gained += ok and not baseline[i]
-        could_gain = sum(1 for b in baseline[i + 1 :] if not b)
+        lost += paired and not ok
+        gained += ok and not paired
+        could_gain = sum(open_gain[i + 1 :])
         if not can_still_pass(lost, gained, n, could_gain, tolerance):
             early = i + 1 < n
             break

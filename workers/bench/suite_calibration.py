@@ -246,7 +246,8 @@ class Calibration:
         items = sorted(items, key=lambda i: (i.pair.target.index, PAIR_CLASSES.index(i.pair.pair_class)))
         items = [*items, *negatives]
         baseline = [base[target_key(i.pair.target)] for i in items]
-        chosen, trials, checks = self.sweep(spec, items, baseline, n)
+        donor_baseline = self.donor_seed_baseline(spec, items, n)
+        chosen, trials, checks = self.sweep(spec, items, baseline, donor_baseline, n)
         base_acc = sum(baseline) / len(baseline)
         measured: dict[str, float] = {
             "steps": float(n),
@@ -287,8 +288,28 @@ class Calibration:
                 entry["negatives_outcome"] = harm
         return cal.table_row(spec, n, chosen, measured), entry
 
+    def donor_seed_baseline(self, spec: cal.RowSpec, items: list[PairFacts], n: int) -> list[bool]:
+        """Each item's target prompt without reuse from its donor's noise seed: what an output that kept a
+        Stage-1 donor is paired with (``calibrate.sweep``)."""
+        out: list[bool] = []
+        with self.suite.progress.phase(
+            f"calibration N={n} {spec.name}: donor-seed no reuse", len(items)
+        ) as tick:
+            for info in items:
+                t = info.pair.target
+                out.append(
+                    self.suite.runner.run(t.prompt, info.pair.donor_seed, n, t.attributes).correct["all"]
+                )
+                tick()
+        return out
+
     def sweep(
-        self, spec: cal.RowSpec, items: list[PairFacts], baseline: list[bool], n: int
+        self,
+        spec: cal.RowSpec,
+        items: list[PairFacts],
+        baseline: list[bool],
+        donor_baseline: list[bool],
+        n: int,
     ) -> tuple[cal.CandidatePlan | None, list[cal.Trial], dict[cal.CandidatePlan, dict[int, Checked]]]:
         """Generate the row's donors, then try the candidate plans on its pairs (the donors are dropped on
         return, before the next row generates its own). Also returns, per candidate and pair, what the model's
@@ -302,13 +323,16 @@ class Calibration:
 
         checks: dict[str, dict[int, Checked]] = {}  # by the plan as run (JSON)
 
-        def evaluate(k: int, plan: ReusePlan) -> tuple[bool, int, float, float]:
+        def evaluate(k: int, plan: ReusePlan) -> cal.Evaluated:
             t = items[k].pair.target
             o = runner.run(t.prompt, t.seed, n, t.attributes, plan=plan, donor=donors[k])
             checks.setdefault(plan.model_dump_json(), {})[k] = Checked(
                 o.verification, o.reused, o.correct["all"]
             )
-            return o.correct["all"], o.steps_computed, o.tokens_fraction, o.block_fraction
+            kept = o.reused and plan.stage1_steps > 0  # started from the donor's latent
+            return cal.Evaluated(
+                o.correct["all"], o.steps_computed, o.tokens_fraction, o.block_fraction, kept
+            )
 
         k1f, k2f, alphas, thresholds = self.cfg.grid(n)
         grid = cal.candidates(n, k1f, k2f, alphas, thresholds)
@@ -325,6 +349,7 @@ class Calibration:
                 on_trial=lambda _t: tick(),
                 verification=policy,
                 similarities=[i.similarity for i in items],
+                donor_baseline=donor_baseline,
             )
         by_candidate = {c: checks.get(c.plan(n, policy).model_dump_json(), {}) for c in grid}
         return chosen, trials, by_candidate

@@ -234,6 +234,27 @@ def test_a_similarity_floor_leaves_the_pairs_below_it_unreused_and_saves_by_admi
         cal.sweep(4, grid, [True] * 6, evaluate)
 
 
+def test_an_output_that_kept_a_stage1_donor_is_paired_with_the_donor_seed_s_clip() -> None:
+    """A Stage-1 output is the donor noise's sample: a fragile clip the target seed got right and the donor's seed
+    got wrong is not charged to the reuse. A donor turned away runs from the target's own noise: paired with
+    the target seed's clip."""
+    baseline = [True] * 30 + [True, False]  # the target seeds
+    donor_baseline = [True] * 30 + [False, True]  # the same prompts from the donors' seeds
+    kept = [True] * 31 + [False]
+
+    def evaluate(i: int, plan: ReusePlan) -> cal.Evaluated:
+        # reuse reproduces what its own noise gives without reuse
+        return cal.Evaluated(donor_baseline[i] if kept[i] else baseline[i], 1, 0.25, 0.25, kept[i])
+
+    chosen, [trial] = cal.sweep(
+        4, [cal.CandidatePlan(3, 0)], baseline, evaluate, donor_baseline=donor_baseline
+    )
+    assert chosen == cal.CandidatePlan(3, 0) and (trial.lost, trial.gained) == (0, 0)
+    # paired with the target seeds only, the same outputs lose a clip: churn, rejected at 32 pairs
+    chosen, [trial] = cal.sweep(4, [cal.CandidatePlan(3, 0)], baseline, evaluate)
+    assert chosen is None and trial.lost == 1
+
+
 def test_the_paired_bound_charges_churn_that_a_net_count_would_let_pass() -> None:
     """Three clips lost and three gained nets to zero, but says the plan re-rolls fragile clips: rejected. No
     discordant clip, or only gains, passes; a single loss needs several gains to be forgiven."""
