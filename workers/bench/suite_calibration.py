@@ -351,7 +351,15 @@ class Calibration:
                 similarities=[i.similarity for i in items],
                 donor_baseline=donor_baseline,
             )
-        by_candidate = {c: checks.get(c.plan(n, policy).model_dump_json(), {}) for c in grid}
+        # candidates that differ only in their similarity floor run the same plan: each keeps the items it ran
+        by_candidate = {
+            c: {
+                k: v
+                for k, v in checks.get(c.plan(n, policy).model_dump_json(), {}).items()
+                if c.min_similarity is None or items[k].similarity >= c.min_similarity
+            }
+            for c in grid
+        }
         return chosen, trials, by_candidate
 
     def note(self, dropped: list[str]) -> str:

@@ -78,16 +78,22 @@ def test_shipped_table_reuses_only_the_changes_it_measured() -> None:
     assert planner.plan(1.0, word_diff(RED, RED), 50).plan.stage1_steps == 37
     swap = planner.plan(0.84, word_diff(RED, BLUE), 4)
     assert swap.reuses and swap.row == "one-attribute"
-    assert swap.plan.stage1_steps == 0 and swap.plan.stage2_steps == 3 and swap.plan.alpha == 2.0
+    assert swap.plan.stage1_steps == 0 and swap.plan.stage2_steps == 3 and swap.plan.alpha == 4.0
     # the same swap below every measured one-attribute similarity: refused, not handed to a wider row
     low = planner.plan(0.5, word_diff(RED, BLUE), 4)
     assert not low.reuses and "'unmeasured-small-change' admits similarity 0.500" in low.reason
     three = "a green square moving up on a white background"
     assert not planner.plan(0.8, word_diff(RED, three), 4).reuses
-    # a paraphrase: negatives as similar as paraphrases (two attributes changed in other words) left no row
-    paraphrase = "red ball drifting to the left, white backdrop"
-    refused = planner.plan(0.9, word_diff(RED, paraphrase), 4)
-    assert not refused.reuses and refused.row is None
+    # a paraphrase in other words (6 content words differ): the verified row, which the worker's model check
+    # guards; below its calibrated similarity floor, refused
+    paraphrase = "a crimson disc gliding leftward across a pale white backdrop"
+    verified = planner.plan(0.75, word_diff(RED, paraphrase), 4)
+    assert verified.row == "paraphrase" and verified.plan.stage1_steps == 2 and verified.plan.stage2_steps == 0
+    assert verified.plan.verification is not None and verified.plan.verification.accept_max == 0.016
+    assert not planner.plan(0.65, word_diff(RED, paraphrase), 4).reuses
+    # one rewording of three words is as many changes as three attributes: the blocker refuses it, unchecked
+    short = "red ball drifting to the left, white backdrop"
+    assert not planner.plan(0.9, word_diff(RED, short), 4).reuses
 
 
 def test_first_admitting_row_decides_and_fractions_round_down() -> None:
