@@ -88,7 +88,9 @@ def test_shipped_table_reuses_only_the_changes_it_measured() -> None:
     # guards; below its calibrated similarity floor, refused
     paraphrase = "a crimson disc gliding leftward across a pale white backdrop"
     verified = planner.plan(0.75, word_diff(RED, paraphrase), 4)
-    assert verified.row == "paraphrase" and verified.plan.stage1_steps == 2 and verified.plan.stage2_steps == 0
+    assert (
+        verified.row == "paraphrase" and verified.plan.stage1_steps == 2 and verified.plan.stage2_steps == 0
+    )
     assert verified.plan.verification is not None and verified.plan.verification.accept_max == 0.016
     assert not planner.plan(0.65, word_diff(RED, paraphrase), 4).reuses
     # one rewording of three words is as many changes as three attributes: the blocker refuses it, unchecked
