@@ -162,8 +162,16 @@ def done(
     )
 
 
+# A consumer subscribed before its topic exists sees it only at its next metadata refresh (kafka-python's default:
+# 5 minutes, longer than any wait here). A CI run once read no result in 90 s although the scheduler had logged
+# sending it; this is one way that happens (not reproduced here), so the helpers refresh every second.
+METADATA_AGE_MS = 1000
+
+
 def dead_letters(settings: KafkaSettings, n: int) -> list[DeadLetter]:
-    consumer = bus.make_consumer(settings, [settings.kafka_dead_letter_topic], group_id=None)
+    consumer = bus.make_consumer(
+        settings, [settings.kafka_dead_letter_topic], group_id=None, metadata_max_age_ms=METADATA_AGE_MS
+    )
     letters = []
     for record in bus.poll_records(consumer, timeout_s=WAIT_S):
         letters.append(DeadLetter.model_validate_json(record.value))
@@ -174,7 +182,9 @@ def dead_letters(settings: KafkaSettings, n: int) -> list[DeadLetter]:
 
 
 def results_of(settings: KafkaSettings, n: int) -> list[GenerationResult]:
-    consumer = bus.make_consumer(settings, [settings.kafka_results_topic], group_id=None)
+    consumer = bus.make_consumer(
+        settings, [settings.kafka_results_topic], group_id=None, metadata_max_age_ms=METADATA_AGE_MS
+    )
     out = []
     for record in bus.poll_records(consumer, timeout_s=WAIT_S):
         out.append(GenerationResult.model_validate_json(record.value))
