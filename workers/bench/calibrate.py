@@ -177,11 +177,19 @@ class CandidatePlan:
     # A verified row's own, higher similarity floor (the pairs below it are not reused); None: the row's.
     min_similarity: float | None = None
 
+    @property
+    def thresholds(self) -> VerificationThresholds | None:
+        """The row's own donor-check thresholds (accept up to ``accept_max``, no shorten band), if it has any."""
+        if self.accept_max is None:
+            return None
+        return VerificationThresholds(accept_max=self.accept_max, shorten_max=self.accept_max)
+
     def plan(self, num_steps: int, verification: DonorVerification | None = None) -> ReusePlan:
-        """The plan at ``num_steps``; ``verification`` (or the candidate's own threshold) applies where the
+        """The plan at ``num_steps``; ``verification`` (or the candidate's own thresholds) applies where the
         planner's would (a Stage 1 to check)."""
-        if self.accept_max is not None:
-            verification = DonorVerification(accept_max=self.accept_max, shorten_max=self.accept_max)
+        own = self.thresholds
+        if own is not None:
+            verification = own.for_plan()
         return ReusePlan(
             stage1_steps=self.k1,
             stage2_steps=self.k2,
@@ -242,7 +250,20 @@ def candidates(
                 out.add(CandidatePlan(k1, 0))
             else:
                 out.update(CandidatePlan(k1, k2, a, t) for a in alphas for t in thresholds)
-    return sorted(out, key=lambda c: (-saving_bound(c, num_steps), -c.k1, -c.threshold, c.alpha))
+    return sorted(out, key=lambda c: search_order(c, num_steps))
+
+
+def search_order(c: CandidatePlan, num_steps: int) -> tuple[float, ...]:
+    """Largest possible saving first; among equals the longer Stage 1, the higher mask threshold, the smaller α,
+    the looser acceptance threshold and the lower similarity floor (each admits or keeps more)."""
+    return (
+        -saving_bound(c, num_steps),
+        -c.k1,
+        -c.threshold,
+        c.alpha,
+        -(c.accept_max or 0.0),
+        c.min_similarity or -1.0,
+    )
 
 
 def fraction(k: int, num_steps: int) -> float:
@@ -360,17 +381,7 @@ def sweep(
     paired with this clip, and the test measures what reusing the donor's steps cost, not which seed re-rolled
     a fragile clip. Outputs from the target's own noise (Stage 2 only, donor turned away, not admitted) are
     paired with ``baseline``."""
-    order = sorted(
-        grid,
-        key=lambda c: (
-            -saving_bound(c, num_steps),
-            -c.k1,
-            -c.threshold,
-            c.alpha,
-            -(c.accept_max or 0.0),
-            c.min_similarity or -1.0,
-        ),
-    )
+    order = sorted(grid, key=lambda c: search_order(c, num_steps))
     trials: list[Trial] = []
     best: CandidatePlan | None = None
     # A plan must save something to be chosen: one whose donor check turns most donors away computes more than
@@ -503,11 +514,7 @@ def table_row(
         alpha=chosen.alpha,
         mask_threshold=chosen.threshold,
         verified=spec.verified,
-        verification=(
-            None
-            if chosen.accept_max is None
-            else VerificationThresholds(accept_max=chosen.accept_max, shorten_max=chosen.accept_max)
-        ),
+        verification=chosen.thresholds,
         measured=measured,
     )
 
