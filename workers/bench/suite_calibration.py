@@ -246,8 +246,7 @@ class Calibration:
         items = sorted(items, key=lambda i: (i.pair.target.index, PAIR_CLASSES.index(i.pair.pair_class)))
         items = [*items, *negatives]
         baseline = [base[target_key(i.pair.target)] for i in items]
-        donor_baseline = self.donor_seed_baseline(spec, items, n)
-        chosen, trials, checks = self.sweep(spec, items, baseline, donor_baseline, n)
+        chosen, trials, checks = self.sweep(spec, items, baseline, n)
         base_acc = sum(baseline) / len(baseline)
         measured: dict[str, float] = {
             "steps": float(n),
@@ -288,37 +287,32 @@ class Calibration:
                 entry["negatives_outcome"] = harm
         return cal.table_row(spec, n, chosen, measured), entry
 
-    def donor_seed_baseline(self, spec: cal.RowSpec, items: list[PairFacts], n: int) -> list[bool]:
-        """Each item's target prompt without reuse from its donor's noise seed: what an output that kept a
-        Stage-1 donor is paired with (``calibrate.sweep``)."""
-        out: list[bool] = []
-        with self.suite.progress.phase(
-            f"calibration N={n} {spec.name}: donor-seed no reuse", len(items)
-        ) as tick:
-            for info in items:
-                t = info.pair.target
-                out.append(
-                    self.suite.runner.run(t.prompt, info.pair.donor_seed, n, t.attributes).correct["all"]
-                )
-                tick()
-        return out
-
     def sweep(
         self,
         spec: cal.RowSpec,
         items: list[PairFacts],
         baseline: list[bool],
-        donor_baseline: list[bool],
         n: int,
     ) -> tuple[cal.CandidatePlan | None, list[cal.Trial], dict[cal.CandidatePlan, dict[int, Checked]]]:
-        """Generate the row's donors, then try the candidate plans on its pairs (the donors are dropped on
-        return, before the next row generates its own). Also returns, per candidate and pair, what the model's
-        donor check decided and whether the clip came out right."""
+        """Generate the row's donors and each item's target prompt without reuse from its donor's noise seed
+        (what an output that kept a Stage-1 donor is paired with, ``calibrate.sweep``), then try the candidate
+        plans on its pairs (the donors are dropped on return, before the next row generates its own). Also
+        returns, per candidate and pair, what the model's donor check decided and whether the clip came out
+        right."""
         progress, runner = self.suite.progress, self.suite.runner
         donors: list[Trajectory] = []
+        donor_baseline: list[bool] = []
         with progress.phase(f"calibration N={n} {spec.name}: donors", len(items)) as tick:
             for info in items:
-                donors.append(self.suite.donor(info.pair, n)[1])
+                d_out, trajectory = self.suite.donor(info.pair, n)
+                donors.append(trajectory)
+                t = info.pair.target
+                if info.pair.donor_prompt == t.prompt:  # the donor itself is that clip (same request)
+                    donor_baseline.append(d_out.correct["all"])
+                else:
+                    donor_baseline.append(
+                        runner.run(t.prompt, info.pair.donor_seed, n, t.attributes).correct["all"]
+                    )
                 tick()
 
         checks: dict[str, dict[int, Checked]] = {}  # by the plan as run (JSON)

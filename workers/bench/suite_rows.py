@@ -128,10 +128,13 @@ class StepCountBench:
         )
         base: list[bool] = []
         harmed: Counter[str] = Counter()
+        alone_by_target: dict[int, Outcome] = {}  # each target has a negative of every class: run it once
         with self.suite.progress.phase(f"N={n}: negatives the planner reuses for", len(planned)) as tick:
             for info, plan in planned:
                 t = info.pair.target
-                alone = self.suite.runner.run(t.prompt, t.seed, n, t.attributes)
+                if t.index not in alone_by_target:
+                    alone_by_target[t.index] = self.suite.runner.run(t.prompt, t.seed, n, t.attributes)
+                alone = alone_by_target[t.index]
                 donor = self.suite.donor(info.pair, n)[1]
                 o = self.suite.runner.run(t.prompt, t.seed, n, t.attributes, plan=plan, donor=donor)
                 o.changed = info.pair.changed
