@@ -8,6 +8,7 @@ and ``word_diff``, which names the words of each prompt that the other does not 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -247,7 +248,10 @@ def _aligned_pairs(a: Sequence[str], b: Sequence[str]) -> list[tuple[int, int]]:
     return pairs
 
 
+@functools.lru_cache(maxsize=8192)
 def word_diff(donor_prompt: str, target_prompt: str) -> WordDiff:
+    """Cached: the scheduler compares one request with the same candidates several times (own tenant and
+    everyone, ready and running), and traffic repeats prompts; a ``WordDiff`` is immutable."""
     donor = words(donor_prompt)
     target = words(target_prompt)
     pairs = _aligned_pairs(donor, target)

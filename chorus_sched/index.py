@@ -9,35 +9,40 @@ Several processes, one index:
 
 - with a Qdrant server (``url``), every operation goes to the server;
 - Qdrant *local mode* (``path``) lets only one process open a folder at a time. Here the index opens the
-  folder per operation, under an exclusive ``flock`` on ``<path>/.chorus-index.lock``, and closes it after,
-  so scheduler instances on one machine share one index. ``hold()`` keeps it open across several operations
-  (a search and the upsert that depends on it, or a batch), which also makes them atomic with respect to the
-  other processes. Opening reads the whole folder, so local mode suits the embedded setup's thousands of
-  donors, not production (use a server).
+  folder under the lock Chorus processes share it by (``chorus_sched.index_lock``), so scheduler instances
+  and tools on one machine share one index. Opening is costly (the client reads every point), so the folder
+  stays open between operations until another process asks for it or it has been idle ``keep_open_s``
+  (0: close after every operation). ``hold()`` keeps it open across several operations (a search and the
+  upsert that depends on it, or a batch), which also makes them atomic with respect to the other processes.
+  Local mode suits the embedded setup's thousands of donors, not production (use a server).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, Field
 from qdrant_client import QdrantClient
 from qdrant_client.http import models as qm
 
+from chorus_sched.index_lock import LOCK_FILE, FolderLock, IndexUnavailable
+from chorus_sched.index_mirror import SearchMirror
+
+__all__ = ["LOCK_FILE", "DonorEntry", "DonorHit", "DonorIndex", "DonorStatus", "IndexUnavailable"]
+
 log = logging.getLogger(__name__)
 
 _POINT_NAMESPACE = uuid.UUID("6f1c1d0e-5b1e-4c8e-9a57-2f1f4b1b2c3d")
-LOCK_FILE = ".chorus-index.lock"
 
 
 class DonorStatus(StrEnum):
@@ -47,10 +52,6 @@ class DonorStatus(StrEnum):
         "running"  # a group leader still being computed (followers may take its steps as they are uploaded)
     )
     READY = "ready"  # a finished request whose trajectory is stored
-
-
-class IndexUnavailable(RuntimeError):
-    """The index cannot be opened now (another process holds it past the wait, or the server is down)."""
 
 
 class DonorEntry(BaseModel):
@@ -95,17 +96,25 @@ class DonorIndex:
         path: str | Path = "",
         api_key: str | None = None,
         lock_wait_s: float = 10.0,
+        keep_open_s: float = 0.0,
         timeout_s: int = 10,
     ) -> None:
         self.collection = collection
         self.dim = dim
         self.lock_wait_s = lock_wait_s
+        self.keep_open_s = keep_open_s
         self.server = bool(url)
         self.path = None if url or str(path) == ":memory:" else Path(path)
+        self.opens = 0  # how many times the local-mode folder was opened (each reads the whole folder)
         self._lock = threading.RLock()
         self._depth = 0
-        self._lock_fd: int | None = None
         self._client: QdrantClient | None = None
+        self._mirror: SearchMirror[DonorEntry] | None = None  # local mode, while the folder is open
+        self._folder = FolderLock(self.path, lock_wait_s) if self.path is not None else None
+        self._last_used = 0.0
+        self._watcher: threading.Thread | None = None
+        self._closed = threading.Event()
+        _INDEXES.add(self)
         if url:
             self._client = QdrantClient(url=url, api_key=api_key, timeout=timeout_s)
         elif self.path is None:
@@ -114,6 +123,15 @@ class DonorIndex:
             if not str(path):
                 raise ValueError("DonorIndex needs a server url, a local path or ':memory:'")
             self.path.mkdir(parents=True, exist_ok=True)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the parent's open folder, lock and threads are the parent's."""
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._watcher = None
+        if self.path is not None:
+            self._client = None
+            self._mirror = None
 
     @classmethod
     def connect(
@@ -125,9 +143,18 @@ class DonorIndex:
         collection: str,
         dim: int,
         lock_wait_s: float = 10.0,
+        keep_open_s: float = 0.0,
     ) -> DonorIndex:
         """A server at ``url`` if given, else Qdrant local mode at ``path`` (``:memory:`` for none)."""
-        index = cls(collection, dim, url=url, path=path, api_key=api_key, lock_wait_s=lock_wait_s)
+        index = cls(
+            collection,
+            dim,
+            url=url,
+            path=path,
+            api_key=api_key,
+            lock_wait_s=lock_wait_s,
+            keep_open_s=keep_open_s,
+        )
         index.ensure_collection()
         return index
 
@@ -143,20 +170,8 @@ class DonorIndex:
                 assert self._client is not None
                 yield self._client
                 return
-            if self._depth == 0:
-                fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-                try:
-                    self._flock(fd)
-                    self._client = QdrantClient(path=str(self.path))
-                except BaseException as exc:
-                    os.close(fd)  # closing the descriptor releases the lock
-                    if isinstance(exc, RuntimeError) and not isinstance(exc, IndexUnavailable):
-                        # Qdrant's own storage lock: another client (not a Chorus process) has the folder open.
-                        raise IndexUnavailable(
-                            f"index at {self.path} is in use by another client: {exc}"
-                        ) from exc
-                    raise
-                self._lock_fd = fd
+            if self._depth == 0 and self._client is None:
+                self._open_local()
             self._depth += 1
             try:
                 assert self._client is not None
@@ -164,36 +179,78 @@ class DonorIndex:
             finally:
                 self._depth -= 1
                 if self._depth == 0:
-                    try:
-                        if self._client is not None:
-                            self._client.close()
-                    finally:
-                        self._client = None
-                        if self._lock_fd is not None:
-                            os.close(self._lock_fd)
-                            self._lock_fd = None
+                    self._after_operation()
 
-    def _flock(self, fd: int) -> None:
-        """Take the folder's lock, waiting at most ``lock_wait_s`` (a wait is logged, never silent)."""
-        start = time.monotonic()
-        next_report = start + 2.0
+    def _open_local(self) -> None:
+        assert self._folder is not None
+        self._folder.acquire()
+        try:
+            self._client = QdrantClient(path=str(self.path))
+        except BaseException as exc:
+            self._folder.release()
+            if isinstance(exc, RuntimeError) and not isinstance(exc, IndexUnavailable):
+                # Qdrant's own storage lock: another client (not a Chorus process) has the folder open.
+                raise IndexUnavailable(f"index at {self.path} is in use by another client: {exc}") from exc
+            raise
+        self.opens += 1
+        self._mirror = self._load_mirror(self._client)
+
+    def _load_mirror(self, client: QdrantClient, batch: int = 512) -> SearchMirror[DonorEntry]:
+        mirror: SearchMirror[DonorEntry] = SearchMirror(self.dim)
+        if not client.collection_exists(self.collection):
+            return mirror  # ensure_collection creates it empty
+        offset: qm.ExtendedPointId | None = None
         while True:
+            points, offset = client.scroll(
+                self.collection, limit=batch, offset=offset, with_payload=True, with_vectors=True
+            )
+            for p in points:
+                entry = DonorEntry.model_validate(p.payload)
+                mirror.put(str(p.id), entry, _fields(entry), cast(list[float], p.vector))
+            if offset is None:
+                return mirror
+
+    def _after_operation(self) -> None:
+        """Keep the folder open for the next operation unless another process waits for it."""
+        assert self._folder is not None
+        if self.keep_open_s <= 0 or self._closed.is_set() or self._folder.others_waiting():
+            self.release()
+            return
+        self._last_used = time.monotonic()
+        if self._watcher is None or not self._watcher.is_alive():
+            self._watcher = threading.Thread(target=self._watch, name="index-lease", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        """While the folder is kept open and idle: let go after ``keep_open_s``, or as soon as someone waits."""
+        assert self._folder is not None
+        while not self._closed.wait(self._folder.poll_s * 2.5):
+            if not self._lock.acquire(blocking=False):
+                continue  # an operation is running; it decides at its end
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if self._client is None:
+                    return
+                if self._depth == 0 and (
+                    time.monotonic() - self._last_used >= self.keep_open_s or self._folder.others_waiting()
+                ):
+                    self.release()
+                    return
+            finally:
+                self._lock.release()
+
+    def release(self) -> None:
+        """Close the local-mode folder now (other processes may open it); the next operation opens it again."""
+        with self._lock:
+            if self.path is None or self._depth > 0:
                 return
-            except BlockingIOError:
-                now = time.monotonic()
-                if now - start >= self.lock_wait_s:
-                    raise IndexUnavailable(
-                        f"index at {self.path} held by another process for over {self.lock_wait_s:g} s"
-                    ) from None
-                if now >= next_report:
-                    log.warning(
-                        "waiting for the index lock",
-                        extra={"path": str(self.path), "waited_s": round(now - start, 1)},
-                    )
-                    next_report = now + 5.0
-                time.sleep(0.02)
+            try:
+                if self._client is not None:
+                    self._client.close()
+            finally:
+                self._client = None
+                self._mirror = None
+                if self._folder is not None:
+                    self._folder.release()
 
     def ensure_collection(self) -> None:
         with self.hold() as client:
@@ -221,6 +278,8 @@ class DonorIndex:
                 ],
                 wait=True,
             )
+            if self._mirror is not None:
+                self._mirror.put(point_id(entry.request_id), entry.model_copy(), _fields(entry), vector)
 
     def search(
         self,
@@ -233,6 +292,13 @@ class DonorIndex:
     ) -> list[DonorHit]:
         """Nearest entries with this compatibility key; ``tenant=None`` searches every tenant, ``status=None``
         both finished donors and running leaders."""
+        with self.hold():
+            if self._mirror is not None:
+                where = (compat_key, tenant, None if status is None else str(status))
+                return [
+                    DonorHit(entry=entry.model_copy(), similarity=score)
+                    for entry, score in self._mirror.search(vector, where, limit)
+                ]
         must: list[qm.Condition] = [
             qm.FieldCondition(key="compat_key", match=qm.MatchValue(value=compat_key))
         ]
@@ -255,6 +321,9 @@ class DonorIndex:
 
     def get(self, request_id: str) -> DonorEntry | None:
         with self.hold() as client:
+            if self._mirror is not None:
+                entry = self._mirror.get(point_id(request_id))
+                return None if entry is None else entry.model_copy()
             points = client.retrieve(self.collection, ids=[point_id(request_id)], with_payload=True)
         return DonorEntry.model_validate(points[0].payload) if points else None
 
@@ -267,6 +336,8 @@ class DonorIndex:
                 points=[point_id(entry.request_id)],
                 wait=True,
             )
+            if self._mirror is not None:
+                self._mirror.update(point_id(entry.request_id), entry.model_copy(), _fields(entry))
 
     def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> DonorEntry | None:
         """Change some payload fields of an entry; returns the updated entry, or None if there is no entry."""
@@ -286,11 +357,15 @@ class DonorIndex:
                     points_selector=qm.PointIdsList(points=[point_id(r) for r in request_ids]),
                     wait=True,
                 )
+                if self._mirror is not None:
+                    self._mirror.remove(point_id(r) for r in request_ids)
 
     def entries(self, batch: int = 256) -> list[DonorEntry]:
         out: list[DonorEntry] = []
         offset: qm.ExtendedPointId | None = None
         with self.hold() as client:
+            if self._mirror is not None:
+                return [e.model_copy() for e in self._mirror.entries()]
             while True:
                 points, offset = client.scroll(
                     self.collection, limit=batch, offset=offset, with_payload=True, with_vectors=False
@@ -301,10 +376,31 @@ class DonorIndex:
 
     def count(self) -> int:
         with self.hold() as client:
+            if self._mirror is not None:
+                return len(self._mirror)
             return client.count(self.collection, exact=True).count
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
-            if self.path is None and self._client is not None:
+            if self.path is not None:
+                self.release()
+            elif self._client is not None:
                 self._client.close()
                 self._client = None
+
+
+def _fields(entry: DonorEntry) -> tuple[str, str, str]:
+    """What a search filters on, in ``SearchMirror`` order."""
+    return (entry.compat_key, entry.tenant, str(entry.status))
+
+
+_INDEXES: weakref.WeakSet[DonorIndex] = weakref.WeakSet()
+
+
+def _forget_indexes_in_child() -> None:
+    for index in list(_INDEXES):
+        index._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_indexes_in_child)

@@ -169,6 +169,7 @@ def build_scheduler(
             collection=settings.qdrant_collection,
             dim=dim,
             lock_wait_s=settings.index_lock_wait_s,
+            keep_open_s=settings.index_keep_open_s,
         )
     except Exception as exc:
         raise ServiceUnreachable(

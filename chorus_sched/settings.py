@@ -65,8 +65,12 @@ class SchedulerSettings(KafkaSettings):
     qdrant_url: str = ""
     qdrant_path: str = ""
     # Local mode: how long to wait for another process' hold on the index folder before scheduling without it
-    # (full compute). Instances hold it for milliseconds; a longer hold is a stuck or foreign process.
+    # (full compute). Instances let go within milliseconds of being asked; a longer hold is a stuck or foreign
+    # process.
     index_lock_wait_s: float = Field(default=3.0, gt=0, le=600)
+    # Local mode: keep the folder open between operations (opening reads every point) until another process
+    # asks for it or it has been idle this long; 0 closes it after every operation.
+    index_keep_open_s: float = Field(default=1.0, ge=0, le=600)
     qdrant_api_key: str | None = None
     qdrant_collection: str = "chorus_donors"
     metrics_port: int = Field(default=9101, ge=0, le=65535)

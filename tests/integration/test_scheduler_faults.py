@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,22 +69,20 @@ def test_hostile_messages_are_dead_lettered_and_the_requests_behind_them_run(har
 def test_with_the_index_held_by_another_client_requests_are_computed_in_full_not_rejected(
     harness: Harness, holder: str
 ) -> None:
-    import fcntl
-    import os
-
     from qdrant_client import QdrantClient
 
-    from chorus_sched.index import LOCK_FILE
+    from chorus_sched.index_lock import FolderLock
 
     path = harness.settings.resolved_qdrant_path
     release: Callable[[], None]
     if holder == "qdrant-client":  # another Qdrant client has the local-mode folder open (its own lock)
-        intruder = QdrantClient(path=path)
+        with FolderLock.exclusive(Path(path)):  # the scheduler, which keeps the folder open, lets go first
+            intruder = QdrantClient(path=path)
         release = intruder.close
     else:  # a stuck process holds the lock Chorus' own instances share the folder by
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        release = partial(os.close, fd)
+        stuck = FolderLock(Path(path), wait_s=60)
+        stuck.acquire()
+        release = stuck.release
 
     try:
         auto = request(request_id="while-down", seed=1)

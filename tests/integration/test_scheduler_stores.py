@@ -302,8 +302,8 @@ def _entry(rid: str, *, tenant: str = "t", status: str = "ready") -> DonorEntry:
     )
 
 
-def _index_worker(path: str, name: str, n: int) -> None:
-    index = DonorIndex.connect(path=path, collection="donors", dim=4)
+def _index_worker(path: str, name: str, n: int, keep_open_s: float) -> None:
+    index = DonorIndex.connect(path=path, collection="donors", dim=4, keep_open_s=keep_open_s)
     for i in range(n):
         index.upsert(_entry(f"{name}-{i}"), [1.0, float(i), 0.0, 1.0])
         # read-modify-write under one hold: atomic with respect to the other process
@@ -315,10 +315,16 @@ def _index_worker(path: str, name: str, n: int) -> None:
     index.close()
 
 
-def test_two_processes_share_one_local_mode_index(qdrant_path: Path) -> None:
-    index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=4)
-    index.upsert(_entry("shared"), [0.0, 0.0, 1.0, 0.0])
-    procs = [FORK.Process(target=_index_worker, args=(str(qdrant_path), name, 12)) for name in ("a", "b")]
+@pytest.mark.parametrize("keep_open_s", [0.0, 600.0], ids=["close-after-each", "keep-open"])
+def test_two_processes_share_one_local_mode_index(qdrant_path: Path, keep_open_s: float) -> None:
+    """With the folder kept open (and no idle release within the test), the processes only get their turns
+    because each lets go when the other announces that it waits."""
+    index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=4, keep_open_s=keep_open_s)
+    index.upsert(_entry("shared"), [0.0, 0.0, 1.0, 0.0])  # kept open across the fork: the children wait too
+    procs = [
+        FORK.Process(target=_index_worker, args=(str(qdrant_path), name, 12, keep_open_s))
+        for name in ("a", "b")
+    ]
     for p in procs:
         p.start()
     for p in procs:

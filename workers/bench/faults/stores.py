@@ -4,16 +4,14 @@ a stored donor trajectory corrupted (bytes flipped with its sha256 kept, and tru
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import io
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from chorus_sched.index import LOCK_FILE
+from chorus_sched.index_lock import FolderLock
 from workers.bench.faults.accounting import Received, Sent
 from workers.bench.faults.context import Run
 
@@ -77,26 +75,6 @@ def s3_hang(run: Run) -> None:
     run.wait_for(within_s=sizes.deadline_s)
 
 
-@contextlib.contextmanager
-def _index_lock(path: Path, within_s: float = 60.0) -> Iterator[None]:
-    """The scheduler's own lock on its local-mode index (``chorus_sched.index``): with it held, no scheduler
-    opens the index."""
-    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        until = time.monotonic() + within_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > until:
-                    raise TimeoutError(f"could not take {path / LOCK_FILE} within {within_s:.0f} s") from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)
-
-
 def index_unavailable(run: Run) -> None:
     """The donor index unavailable, twice: Qdrant's storage held open by another client (the scheduler's open
     fails), then the index's own lock held (the scheduler's open waits). A quarter of the requests say
@@ -106,7 +84,7 @@ def index_unavailable(run: Run) -> None:
     sizes = run.sizes
     path = Path(run.stack.scheduler_settings.resolved_qdrant_path)
     half = max(1, sizes.requests // 2)
-    with _index_lock(path):
+    with FolderLock.exclusive(path):
         client = QdrantClient(path=str(path))  # takes Qdrant's own lock on the folder
     try:
         run.say(f"Qdrant storage held by another client for {sizes.index_hold_s:.0f} s")
@@ -115,7 +93,7 @@ def index_unavailable(run: Run) -> None:
     finally:
         client.close()
     first_end = time.monotonic()
-    with _index_lock(path):
+    with FolderLock.exclusive(path):
         run.say(f"index lock held for {sizes.index_hold_s:.0f} s")
         second = _wave(run, half, sizes.requests - half, reuse_off_every=4)
         run.sleep(sizes.index_hold_s)

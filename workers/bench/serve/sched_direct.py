@@ -143,6 +143,7 @@ def profile_direct(root: Path, n: int, seed: int, say: Callable[[str], None]) ->
         for request in requests[n:]:
             feeder.one(request)
         profile.disable()
+        opens = scheduler.index.opens
     finally:
         close()
     phases, top = summarize_profile(profile, n)
@@ -150,6 +151,7 @@ def profile_direct(root: Path, n: int, seed: int, say: Callable[[str], None]) ->
     return {
         "requests": n,
         "orders": len(dispatcher.orders),
+        "index_opens": opens,  # local mode: how often the folder was opened (each reads every point)
         "wall_ms_per_request": {f"p{q}": round(report.percentile(wall_ms, q), 2) for q in (50, 95, 99)}
         | {"mean": round(sum(wall_ms) / n, 2)},
         "cpu_ms_per_request": round(sum(cpu) / n * 1000, 2),
