@@ -130,6 +130,10 @@ class DonorIndex:
         self._depth = 0
         self._watcher = None
         if self.path is not None:
+            if self._client is not None:
+                # Never closed (nor collected, whose __del__ closes): closing unlocks Qdrant's storage lock
+                # through the descriptor the parent shares, and closes the parent's database.
+                _INHERITED_CLIENTS.append(self._client)
             self._client = None
             self._mirror = None
 
@@ -164,7 +168,10 @@ class DonorIndex:
 
     @contextmanager
     def hold(self) -> Iterator[QdrantClient]:
-        """The client, kept open (and, in local mode, other processes kept out) until the block ends."""
+        """The client, kept open (and, in local mode, other processes kept out) until the block ends.
+
+        Write through this class' methods, not through the client: in local mode they also keep the in-memory
+        copy that searches read."""
         with self._lock:
             if self.path is None:
                 assert self._client is not None
@@ -193,7 +200,23 @@ class DonorIndex:
                 raise IndexUnavailable(f"index at {self.path} is in use by another client: {exc}") from exc
             raise
         self.opens += 1
-        self._mirror = self._load_mirror(self._client)
+        if self.keep_open_s > 0:  # a copy pays off only for a folder kept open across operations
+            try:
+                self._mirror = self._load_mirror(self._client)
+            except BaseException:
+                self.release()
+                raise
+
+    @contextmanager
+    def _write(self) -> Iterator[QdrantClient]:
+        """A write, held. One that fails partway may leave the copy unlike the folder: the copy is dropped, and
+        reads go to Qdrant until the folder is opened again."""
+        with self.hold() as client:
+            try:
+                yield client
+            except BaseException:
+                self._mirror = None
+                raise
 
     def _load_mirror(self, client: QdrantClient, batch: int = 512) -> SearchMirror[DonorEntry]:
         mirror: SearchMirror[DonorEntry] = SearchMirror(self.dim)
@@ -206,7 +229,8 @@ class DonorIndex:
             )
             for p in points:
                 entry = DonorEntry.model_validate(p.payload)
-                mirror.put(str(p.id), entry, _fields(entry), cast(list[float], p.vector))
+                vector = cast(list[float], p.vector)
+                mirror.put(str(p.id), entry, _fields(entry), vector, entry.created_at)
             if offset is None:
                 return mirror
 
@@ -217,7 +241,7 @@ class DonorIndex:
             self.release()
             return
         self._last_used = time.monotonic()
-        if self._watcher is None or not self._watcher.is_alive():
+        if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="index-lease", daemon=True)
             self._watcher.start()
 
@@ -228,15 +252,15 @@ class DonorIndex:
             if not self._lock.acquire(blocking=False):
                 continue  # an operation is running; it decides at its end
             try:
-                if self._client is None:
-                    return
-                if self._depth == 0 and (
-                    time.monotonic() - self._last_used >= self.keep_open_s or self._folder.others_waiting()
-                ):
+                idle = time.monotonic() - self._last_used >= self.keep_open_s
+                if self._client is not None and self._depth == 0 and (idle or self._folder.others_waiting()):
                     self.release()
+                if self._client is None:
+                    self._watcher = None  # under the lock: the next kept-open operation starts a new one
                     return
             finally:
                 self._lock.release()
+        self._watcher = None
 
     def release(self) -> None:
         """Close the local-mode folder now (other processes may open it); the next operation opens it again."""
@@ -266,7 +290,7 @@ class DonorIndex:
     def upsert(self, entry: DonorEntry, vector: Sequence[float]) -> None:
         if len(vector) != self.dim:
             raise ValueError(f"vector has {len(vector)} dimensions, the index {self.dim}")
-        with self.hold() as client:
+        with self._write() as client:
             client.upsert(
                 self.collection,
                 points=[
@@ -279,7 +303,8 @@ class DonorIndex:
                 wait=True,
             )
             if self._mirror is not None:
-                self._mirror.put(point_id(entry.request_id), entry.model_copy(), _fields(entry), vector)
+                pid = point_id(entry.request_id)
+                self._mirror.put(pid, entry.model_copy(), _fields(entry), vector, entry.created_at)
 
     def search(
         self,
@@ -329,7 +354,7 @@ class DonorIndex:
 
     def update(self, entry: DonorEntry) -> None:
         """Overwrite an existing entry's payload without touching its vector."""
-        with self.hold() as client:
+        with self._write() as client:
             client.overwrite_payload(
                 self.collection,
                 payload=entry.model_dump(mode="json"),
@@ -337,7 +362,8 @@ class DonorIndex:
                 wait=True,
             )
             if self._mirror is not None:
-                self._mirror.update(point_id(entry.request_id), entry.model_copy(), _fields(entry))
+                pid = point_id(entry.request_id)
+                self._mirror.update(pid, entry.model_copy(), _fields(entry), entry.created_at)
 
     def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> DonorEntry | None:
         """Change some payload fields of an entry; returns the updated entry, or None if there is no entry."""
@@ -351,7 +377,7 @@ class DonorIndex:
 
     def delete(self, request_ids: Sequence[str]) -> None:
         if request_ids:
-            with self.hold() as client:
+            with self._write() as client:
                 client.delete(
                     self.collection,
                     points_selector=qm.PointIdsList(points=[point_id(r) for r in request_ids]),
@@ -396,6 +422,7 @@ def _fields(entry: DonorEntry) -> tuple[str, str, str]:
 
 
 _INDEXES: weakref.WeakSet[DonorIndex] = weakref.WeakSet()
+_INHERITED_CLIENTS: list[QdrantClient] = []  # a forked child's copies of its parent's open clients
 
 
 def _forget_indexes_in_child() -> None:

@@ -7,9 +7,11 @@ folder open between operations, and lets go as soon as another process wants it:
 
 - ``<path>/.chorus-index.lock`` is taken with ``flock`` (exclusive) for as long as a process has the folder open;
   the kernel releases it when the process dies;
-- a process that finds it taken announces itself with a marker file in ``<path>/.chorus-index.waiting/`` (named
-  by its pid, so a dead waiter's marker is recognised and removed) and polls; the holder looks for markers at the
-  end of every operation (and, idle, every poll interval: ``chorus_sched.index``) and closes the folder;
+- a process that finds it taken announces itself with a marker file in ``<path>/.chorus-index.waiting/`` and
+  polls, touching the marker at every poll; the holder looks for markers at the end of every operation (and,
+  idle, every poll interval: ``chorus_sched.index``) and closes the folder. A marker whose pid is gone or that
+  nobody touched for ``STALE_MARKER_S`` is a dead waiter's and is removed (a live waiter whose marker was
+  removed writes it again at its next poll);
 - a process that comes back while others are announced waits its turn behind them instead of taking the lock
   back first.
 
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = ".chorus-index.lock"
 WAITING_DIR = ".chorus-index.waiting"
+STALE_MARKER_S = 2.0  # waiters touch their marker every poll (20 ms)
 
 
 class IndexUnavailable(RuntimeError):
@@ -79,13 +82,19 @@ class FolderLock:
             names = [e.name for e in os.scandir(self._waiting)]
         except FileNotFoundError:
             return False
+        now = time.time()
         for name in names:
             if name == self._token:
                 continue
-            if _alive(name):
+            marker = self._waiting / name
+            try:
+                fresh = now - marker.stat().st_mtime < STALE_MARKER_S
+            except FileNotFoundError:
+                continue
+            if fresh and _alive(name):
                 return True
             with contextlib.suppress(FileNotFoundError):
-                (self._waiting / name).unlink()  # a dead waiter's marker
+                marker.unlink()  # a dead (or stopped) waiter's marker
         return False
 
     def _take(self, fd: int) -> None:
@@ -101,10 +110,9 @@ class FolderLock:
                         return
                     except BlockingIOError:
                         pass
-                if not announced:
-                    self._waiting.mkdir(exist_ok=True)
-                    (self._waiting / self._token).touch()
-                    announced = True
+                self._waiting.mkdir(exist_ok=True)
+                (self._waiting / self._token).touch()  # announce, and show it is still waiting
+                announced = True
                 now = time.monotonic()
                 if now - start >= self.wait_s:
                     raise IndexUnavailable(

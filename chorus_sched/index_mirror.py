@@ -7,7 +7,8 @@ process can write it then), ``chorus_sched.index.DonorIndex`` keeps this copy of
 of its own writes, and answers searches, reads and counts from it with numpy. Qdrant's folder stays the store: the
 copy is loaded from it on every open and dropped on every close.
 
-Scores are Qdrant's for ``Distance.COSINE``: stored and query vectors normalized, then a dot product.
+Scores are Qdrant's for ``Distance.COSINE``: stored and query vectors normalized, then a dot product. Equal
+scores (the same prompt stored twice) go newest first, by the rank each point is stored with.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class SearchMirror(Generic[Entry]):
         self.dim = dim
         self._vectors = np.zeros((capacity, dim), dtype=np.float32)
         self._fields = np.full((capacity, 3), _FREE, dtype=np.int64)  # compat key, tenant, status codes
+        self._ranks = np.zeros(capacity, dtype=np.float64)  # ties: the higher rank first
         self._entries: list[Entry | None] = []
         self._rows: dict[str, int] = {}
         self._codes = (_Codes(), _Codes(), _Codes())
@@ -55,7 +57,14 @@ class SearchMirror(Generic[Entry]):
     def entries(self) -> list[Entry]:
         return [e for e in self._entries if e is not None]
 
-    def put(self, point: str, entry: Entry, fields: tuple[str, str, str], vector: Sequence[float]) -> None:
+    def put(
+        self,
+        point: str,
+        entry: Entry,
+        fields: tuple[str, str, str],
+        vector: Sequence[float],
+        rank: float = 0.0,
+    ) -> None:
         row = self._rows.get(point)
         if row is None:
             row = len(self._entries)
@@ -67,14 +76,19 @@ class SearchMirror(Generic[Entry]):
         v = np.asarray(vector, dtype=np.float32)
         norm = float(np.linalg.norm(v))
         self._vectors[row] = v / norm if norm > 0 else v
+        self._ranks[row] = rank
         self._fields[row] = [codes.code(f) for codes, f in zip(self._codes, fields, strict=True)]
 
-    def update(self, point: str, entry: Entry, fields: tuple[str, str, str]) -> bool:
-        """Replace an entry's payload, keeping its vector; False if there is no such point."""
+    def update(
+        self, point: str, entry: Entry, fields: tuple[str, str, str], rank: float | None = None
+    ) -> bool:
+        """Replace an entry's payload (and rank, if given), keeping its vector; False if there is no such point."""
         row = self._rows.get(point)
         if row is None:
             return False
         self._entries[row] = entry
+        if rank is not None:
+            self._ranks[row] = rank
         self._fields[row] = [codes.code(f) for codes, f in zip(self._codes, fields, strict=True)]
         return True
 
@@ -105,7 +119,7 @@ class SearchMirror(Generic[Entry]):
         query = np.asarray(vector, dtype=np.float32)
         norm = float(np.linalg.norm(query))
         scores = self._vectors[rows] @ (query / norm if norm > 0 else query)
-        best = np.argsort(-scores, kind="stable")[:limit]
+        best = np.lexsort((-self._ranks[rows], -scores))[:limit]  # by score, then by rank
         out = []
         for i in best:
             entry = self._entries[int(rows[i])]
@@ -120,11 +134,13 @@ class SearchMirror(Generic[Entry]):
         new = max(size, 2 * capacity)
         self._vectors = np.concatenate([self._vectors, np.zeros((new - capacity, self.dim), np.float32)])
         self._fields = np.concatenate([self._fields, np.full((new - capacity, 3), _FREE, np.int64)])
+        self._ranks = np.concatenate([self._ranks, np.zeros(new - capacity, np.float64)])
 
     def _compact(self) -> None:
         keep = sorted(self._rows.values())
         self._vectors = np.ascontiguousarray(self._vectors[keep])
         self._fields = np.ascontiguousarray(self._fields[keep])
+        self._ranks = np.ascontiguousarray(self._ranks[keep])
         self._entries = [self._entries[r] for r in keep]
         order = {old: new for new, old in enumerate(keep)}
         self._rows = {point: order[row] for point, row in self._rows.items()}

@@ -13,7 +13,12 @@ from workers.bench.serve.sched_direct import profile_direct
 pytestmark = pytest.mark.integration
 
 
-def test_the_direct_pass_reports_phases_and_opens_the_index_once(tmp_path: Path) -> None:
+def test_the_direct_pass_reports_phases_and_opens_the_index_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "CHORUS_INDEX_KEEP_OPEN_S", "600"
+    )  # no idle release on a slow machine, only the protocol
     report = profile_direct(tmp_path, n=12, seed=5, say=lambda _: None)
     assert report["requests"] == 12
     assert report["orders"] > 0

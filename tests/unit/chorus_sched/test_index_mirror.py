@@ -43,7 +43,7 @@ def test_searches_match_qdrant_local_mode_through_writes_and_deletes(seed: int) 
             vector = [rng.gauss(0, 1) for _ in range(DIM)]
             payload = dict(zip(("compat_key", "tenant", "status"), fields, strict=True))
             client.upsert("c", points=[qm.PointStruct(id=pid, vector=vector, payload=payload)], wait=True)
-            mirror.put(str(pid), str(pid), fields, vector)
+            mirror.put(str(pid), str(pid), fields, vector, rank=step)
             alive.append(pid)
         elif action < 0.75:  # a payload changed in place
             pid = rng.choice(alive)
@@ -76,3 +76,12 @@ def test_unknown_values_and_missing_points() -> None:
     assert mirror.get("missing") is None
     mirror.remove(["a", "missing"])
     assert len(mirror) == 0 and mirror.search([1.0, 0.0], ("k", None, None), 5) == []
+
+
+def test_equal_scores_go_highest_rank_first() -> None:
+    mirror: SearchMirror[str] = SearchMirror(2)
+    for name, rank in (("old", 1.0), ("new", 3.0), ("mid", 2.0)):
+        mirror.put(name, name, ("k", "t", "ready"), [0.6, 0.8], rank=rank)  # the same prompt stored thrice
+    assert [e for e, _ in mirror.search([0.6, 0.8], ("k", None, None), 3)] == ["new", "mid", "old"]
+    assert mirror.update("old", "old", ("k", "t", "ready"), rank=4.0)  # finalized later
+    assert [e for e, _ in mirror.search([0.6, 0.8], ("k", None, None), 2)] == ["old", "new"]

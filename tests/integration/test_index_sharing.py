@@ -1,0 +1,101 @@
+"""The local-mode index kept open between operations (``chorus_sched.index_lock``, ``DonorIndex.keep_open_s``): it
+lets go when idle, counts only live waiters, survives a fork, and never searches a copy that disagrees with the
+folder. Real Qdrant local mode throughout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from qdrant_client import QdrantClient
+
+from chorus_sched.index import DonorEntry, DonorIndex
+from chorus_sched.index_lock import STALE_MARKER_S, WAITING_DIR, FolderLock
+
+pytestmark = pytest.mark.integration
+FORK = multiprocessing.get_context("fork")
+
+
+def _entry(rid: str) -> DonorEntry:
+    return DonorEntry(
+        request_id=rid, tenant="t", compat_key="k", prompt=f"prompt {rid}", trajectory_prefix=f"t/{rid}/"
+    )
+
+
+def _foreign_client_opens(path: Path) -> bool:
+    """Whether a client outside Chorus' protocol can open the folder now (Qdrant's own storage lock)."""
+    try:
+        client = QdrantClient(path=str(path))
+    except RuntimeError:
+        return False
+    client.close()
+    return True
+
+
+def test_the_folder_is_kept_open_then_let_go_when_idle(qdrant_path: Path) -> None:
+    index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2, keep_open_s=0.3)
+    index.upsert(_entry("a"), [1.0, 0.0])
+    assert index.search([1.0, 0.0], compat_key="k", tenant="t")[0].entry.request_id == "a"
+    assert not _foreign_client_opens(qdrant_path)  # still open after the operations
+    time.sleep(0.6)
+    assert _foreign_client_opens(qdrant_path)  # idle past keep_open_s: let go
+    assert index.get("a") is not None and index.opens == 2  # the next operation opened it again
+    index.close()
+    assert _foreign_client_opens(qdrant_path)
+
+
+def test_only_live_waiters_count(qdrant_path: Path) -> None:
+    lock = FolderLock(qdrant_path, wait_s=1.0)
+    waiting = qdrant_path / WAITING_DIR
+    waiting.mkdir(parents=True)
+    dead = waiting / "999999999-gone"  # no such pid
+    dead.touch()
+    assert not lock.others_waiting() and not dead.exists()
+    stopped = waiting / f"{os.getppid()}-stopped"  # a live pid that stopped touching its marker
+    stopped.touch()
+    past = time.time() - 2 * STALE_MARKER_S
+    os.utime(stopped, (past, past))
+    assert not lock.others_waiting() and not stopped.exists()
+    live = waiting / f"{os.getppid()}-live"
+    live.touch()
+    assert lock.others_waiting() and live.exists()
+
+
+def test_a_forked_child_leaves_the_parents_open_folder_locked(qdrant_path: Path) -> None:
+    index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2, keep_open_s=600)
+    index.upsert(_entry("a"), [1.0, 0.0])
+    child = FORK.Process(target=time.sleep, args=(0.1,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert not _foreign_client_opens(qdrant_path)  # the child did not unlock Qdrant's storage lock
+    assert index.get("a") is not None
+    index.close()
+
+
+def test_a_write_that_fails_partway_is_not_searched_from_a_stale_copy(
+    qdrant_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2, keep_open_s=600)
+    for rid in ("a", "b"):
+        index.upsert(_entry(rid), [1.0, 0.0])
+    real_delete = QdrantClient.delete
+
+    def delete_one_then_fail(
+        self: QdrantClient, collection_name: str, points_selector: Any, **kw: Any
+    ) -> Any:
+        first = type(points_selector)(points=points_selector.points[:1])
+        real_delete(self, collection_name, points_selector=first, **kw)
+        raise ConnectionError("storage failed after the first id")
+
+    monkeypatch.setattr(QdrantClient, "delete", delete_one_then_fail)
+    with pytest.raises(ConnectionError):
+        index.delete(["a", "b"])
+    monkeypatch.undo()
+    assert index.get("a") is None and index.get("b") is not None  # what the folder holds
+    assert [h.entry.request_id for h in index.search([1.0, 0.0], compat_key="k", tenant="t")] == ["b"]
+    index.close()
