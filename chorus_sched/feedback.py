@@ -21,6 +21,7 @@ from chorus_sched.exact import ExactHits
 from chorus_sched.index import DonorEntry, DonorIndex, DonorStatus
 from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
+from chorus_sched.reuse_gate import VerifiedReuseGate
 from producer.contract import GenerationResult, ResultStatus, ReusePolicy
 from producer.orders import Role, WorkOrder, trajectory_prefix
 
@@ -39,6 +40,8 @@ class Feedback:
         evict: Callable[[dict[str, str]], None],
         exact: ExactHits,
         stats: SchedulerStats,
+        gate: VerifiedReuseGate | None = None,
+        regime_of: Callable[[int], str] = lambda n: "",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.embedder = embedder
@@ -47,6 +50,8 @@ class Feedback:
         self.evict = evict
         self.exact = exact
         self.stats = stats
+        self.gate = gate
+        self.regime_of = regime_of
         self.clock = clock
 
     def handle_results(self, messages: Sequence[Message]) -> BatchOutcome:
@@ -112,6 +117,7 @@ class Feedback:
             elif leader and (entry := self.index.get(rid)) is not None and not entry.ready:
                 self.evict({rid: "leader finished without a stored trajectory"})
             self._count_hit(result)
+            self._count_check(result)
             self._drop_gone_donor(result)
         else:
             if state != RequestState.DONE:
@@ -181,6 +187,16 @@ class Feedback:
                 "compat_key": record.compat_key,
                 "tenant": record.tenant,
             },
+        )
+
+    def _count_check(self, result: GenerationResult) -> None:
+        """Tell the gate how the worker's check of a planned donor went (it pauses verified reuse that does not
+        pay). Counted once per result message: a redelivered result counts again, which only weighs it more."""
+        check, donor, plan = result.verification, result.donor, result.plan
+        if self.gate is None or check is None or donor is None or plan is None or plan.stage1_steps == 0:
+            return
+        self.gate.record(
+            self.regime_of(result.steps_requested), donor.similarity, check.decision, plan.stage1_steps
         )
 
     def _drop_gone_donor(self, result: GenerationResult) -> None:

@@ -251,10 +251,21 @@ class PlanChoice:
         return self.plan.reuses
 
 
+class ReuseGate(Protocol):
+    """What decides whether a verified row may apply now (``chorus_sched.reuse_gate``)."""
+
+    def allows(self, regime: str, similarity: float, stage1_steps: int) -> bool: ...
+
+
 class Planner:
-    def __init__(self, table: CalibrationTable) -> None:
+    def __init__(self, table: CalibrationTable, gate: ReuseGate | None = None) -> None:
         self.table = table
+        self.gate = gate  # None: verified rows apply whenever the table says (the benchmarks)
         self.ignorable = frozenset(w.casefold() for w in table.ignorable_words)
+
+    def gated(self, gate: ReuseGate) -> Planner:
+        """The same table, its verified rows applied only while ``gate`` allows."""
+        return Planner(self.table, gate)
 
     def plan(self, similarity: float, diff: WordDiff, num_steps: int) -> PlanChoice:
         regime = self.table.regime_for(num_steps)
@@ -267,6 +278,8 @@ class Planner:
             k2 = math.floor(row.k2 * num_steps)
             if row.verified and (policy is None or k1 == 0):
                 continue  # nothing would check the donor: the row's loose rule does not apply
+            if row.verified and self.gate is not None and not self.gate.allows(regime.name, similarity, k1):
+                continue  # its checks have been rejecting donors like this one: it costs more than it saves
             k3 = num_steps - k1 - k2  # ≥ 1 because k1 + k2 < 1
             plan = ReusePlan(
                 stage1_steps=k1,

@@ -37,6 +37,7 @@ from chorus_sched.ledger import Ledger
 from chorus_sched.loop import ConsumerLoop
 from chorus_sched.maintenance import CacheMaintenance
 from chorus_sched.planner import Planner
+from chorus_sched.reuse_gate import GateConfig, VerifiedReuseGate
 from chorus_sched.settings import SchedulerSettings
 from chorus_sched.watchdog import OrderWatchdog
 from producer import bus
@@ -70,7 +71,13 @@ class Scheduler:
         self.ledger = ledger
         self.dispatcher = dispatcher
         self.publish = publish
-        self.planner = planner
+        # Verified rows apply only while their donor checks pay (chorus_sched.reuse_gate), learned from results.
+        self.gate = (
+            VerifiedReuseGate(GateConfig(explore_every_s=settings.verified_gate_explore_s))
+            if settings.verified_gate
+            else None
+        )
+        self.planner = planner.gated(self.gate) if self.gate is not None else planner
         self.clock = clock
         self.instance = settings.resolved_instance_id
         self.stats = SchedulerStats()
@@ -86,7 +93,7 @@ class Scheduler:
             index=index,
             ledger=ledger,
             dispatcher=dispatcher,
-            planner=planner,
+            planner=self.planner,
             dead_letters=DeadLetters(settings, ledger=ledger, publish=publish, stats=self.stats),
             exact=self.exact,
             stats=self.stats,
@@ -99,6 +106,8 @@ class Scheduler:
             evict=self.cache.evict,
             exact=self.exact,
             stats=self.stats,
+            gate=self.gate,
+            regime_of=lambda n: planner.table.regime_for(n).name,
             clock=clock,
         )
         self.watchdog = OrderWatchdog(
@@ -158,7 +167,7 @@ def build_scheduler(
     from chorus_sched.planner import load_calibration
 
     planner = Planner(load_calibration(settings.calibration_path))
-    embedder = embedder or make_embedder(settings.embedder)
+    embedder = embedder or make_embedder(settings.embedder, threads=settings.embed_threads)
     dim = len(embedder.embed(["warm-up"])[0])  # load the model now, not on the first request
     where = settings.qdrant_url or settings.resolved_qdrant_path
     try:

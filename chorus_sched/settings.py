@@ -68,6 +68,10 @@ class SchedulerSettings(KafkaSettings):
     # (full compute). Instances let go within milliseconds of being asked; a longer hold is a stuck or foreign
     # process.
     index_lock_wait_s: float = Field(default=3.0, gt=0, le=600)
+    # Verified planner rows apply only while their donor checks accept often enough to pay for the rejected
+    # ones (chorus_sched.reuse_gate); a paused similarity band lets one plan through this often to notice change.
+    verified_gate: bool = True
+    verified_gate_explore_s: float = Field(default=5.0, gt=0)
     # Local mode: keep the folder open between operations (opening reads every point) until another process
     # asks for it or it has been idle this long; 0 closes it after every operation.
     index_keep_open_s: float = Field(default=1.0, ge=0, le=600)
@@ -81,6 +85,10 @@ class SchedulerSettings(KafkaSettings):
     # --- Reuse --------------------------------------------------------------------------------------------
     # Prompt embedder: MiniLM sentence embeddings (offline package), or a dependency-free hashing embedder.
     embedder: Literal["minilm", "hashing"] = "minilm"
+    # Threads MiniLM's forward passes may use (torch intra-op). One: a prompt takes ~11 ms instead of ~9 on two,
+    # and the scheduler stops taking a second core from the workers beside it (their torch threads spin-wait
+    # when a core is taken: chorus bench serve --trace fresh, worker CPU per request +30% with two).
+    embed_threads: int = Field(default=1, ge=1, le=64)
     # The planner's calibration table; empty means the one shipped in the package (chorus_sched/calibration.json).
     calibration_path: Path | None = None
     # Donors considered per search (the planner picks among them).

@@ -135,6 +135,19 @@ def test_minilm_embeds_in_one_batch_and_a_color_swap_still_scores_high() -> None
     assert 0.75 < cosine(red, blue) < 0.92
 
 
+@pytest.mark.slow
+def test_minilm_runs_on_the_threads_it_is_given() -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        vectors = make_embedder("minilm", threads=1).embed(["a red circle moving left on a white background"])
+        assert len(vectors[0]) == 384 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_repeated_words_are_not_reported_as_differences() -> None:
     diff = word_diff("a red circle on a white background", "a big red circle on a white background")
     assert diff.target_only == ("big",)

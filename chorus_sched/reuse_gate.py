@@ -1,0 +1,109 @@
+"""Verified reuse that stops paying is stopped: the planner's verified rows, gated by the donor checks' outcomes.
+
+A verified row (``chorus_sched.planner``) admits donors on a loose similarity rule and lets the worker's model
+check decide (``workers.engine.verify``). An accepted check costs nothing (its pass is the first computed step); a
+rejected one throws its pass away, so the request computes one step more than in full. Whether the row pays
+therefore depends on the traffic. The calibration measured it on its own mix, one pair at a time, but a stream
+searches each request's nearest neighbours among everything indexed: on traffic of new prompts, the nearest
+neighbour of a new prompt is often a different prompt in similar words (``chorus bench serve --trace fresh``:
+25 of 47 requests planned a verified donor, 23 rejected, 0.80x the throughput of no reuse).
+
+So the scheduler counts the checks' outcomes per (regime, similarity band) and applies a verified row only while
+its expected saving is positive: with ``p`` the band's acceptance rate, an accepted check saves ``k1`` steps and a
+rejected one costs one, so the row applies while ``p * k1 >= (1 - p)`` (at 4 steps, k1 = 2: p >= 1/3; at 50 steps,
+k1 = 25: p >= 1/26). Recent outcomes weigh more (each new outcome in a band decays the band's earlier counts),
+from a prior of one accept and one reject. A closed band still lets one plan through every ``explore_every_s``,
+so that a change of traffic can reopen it (time, not a count: the planner asks once per candidate donor).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    band_width: float = 0.05  # similarity bands: [0.70, 0.75), [0.75, 0.80), …
+    decay: float = 0.97  # per new outcome in the band: about the last 30 outcomes count
+    prior_accepted: float = 1.0
+    prior_rejected: float = 1.0
+    explore_every_s: float = 5.0  # a closed band still lets one plan through this often
+
+
+@dataclass
+class _Band:
+    accepted: float
+    rejected: float
+    explored_at: float = -math.inf
+    open: bool = True
+
+
+class VerifiedReuseGate:
+    """Outcomes in (``record``), decisions out (``allows``); shared by the intake and feedback threads."""
+
+    def __init__(self, config: GateConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or GateConfig()
+        self.clock = clock
+        self._bands: dict[tuple[str, int], _Band] = {}
+        self._lock = threading.Lock()
+        self.refusals = 0  # verified plans turned down (per candidate donor), over the gate's life
+
+    def _band(self, regime: str, similarity: float) -> tuple[tuple[str, int], _Band]:
+        key = (regime, math.floor(similarity / self.config.band_width))
+        band = self._bands.get(key)
+        if band is None:
+            band = self._bands[key] = _Band(self.config.prior_accepted, self.config.prior_rejected)
+        return key, band
+
+    def acceptance(self, regime: str, similarity: float) -> float:
+        with self._lock:
+            _, band = self._band(regime, similarity)
+            return band.accepted / (band.accepted + band.rejected)
+
+    def allows(self, regime: str, similarity: float, stage1_steps: int) -> bool:
+        """Whether a verified plan reusing ``stage1_steps`` steps is worth its check in this band now."""
+        with self._lock:
+            _, band = self._band(regime, similarity)
+            p = band.accepted / (band.accepted + band.rejected)
+            if p * stage1_steps >= 1.0 - p:
+                return True
+            now = self.clock()
+            if now - band.explored_at >= self.config.explore_every_s:
+                band.explored_at = now
+                return True  # explore: the only way a closed band learns that traffic changed
+            self.refusals += 1
+            return False
+
+    def record(self, regime: str, similarity: float, decision: str, stage1_steps: int) -> None:
+        """A check's outcome (``VerificationReport.decision``); a shortened donor counts half accepted."""
+        weight = {"accepted": 1.0, "shortened": 0.5, "rejected": 0.0}.get(decision)
+        if weight is None:
+            return  # unverified: the check could not measure, it says nothing about the band
+        with self._lock:
+            key, band = self._band(regime, similarity)
+            band.accepted = band.accepted * self.config.decay + weight
+            band.rejected = band.rejected * self.config.decay + (1.0 - weight)
+            p = band.accepted / (band.accepted + band.rejected)
+            now_open = p * stage1_steps >= 1.0 - p
+            if now_open != band.open:
+                band.open = now_open
+                width = self.config.band_width
+                log.info(
+                    "verified reuse reopened for a similarity band"
+                    if now_open
+                    else "verified reuse paused for a similarity band: its donor checks reject too often",
+                    extra={
+                        "regime": regime,
+                        "band": [round(key[1] * width, 3), round((key[1] + 1) * width, 3)],
+                        "acceptance": round(p, 3),
+                        "stage1_steps": stage1_steps,
+                        "break_even": round(1.0 / (stage1_steps + 1), 3),
+                    },
+                )
