@@ -121,6 +121,24 @@ def _load(model: str, settings: WorkerSettings) -> ModelBundle:
     )
 
 
+_default_threads: int | None = None  # torch's own count for this process, before any model asked for another
+
+
+def use_torch_threads(model: str, settings: WorkerSettings) -> None:
+    """Run the next order on the model's torch thread count (``CHORUS_TORCH_THREADS``); a pool process runs one
+    order at a time, so the process-wide setting is the order's."""
+    global _default_threads
+    if settings.device != "cpu":
+        return
+    import torch
+
+    if _default_threads is None:
+        _default_threads = torch.get_num_threads()
+    wanted = settings.torch_threads.get(model, _default_threads)
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+
+
 def loaded_models() -> list[str]:
     return sorted({key[0] for key in _MODELS})
 
@@ -314,6 +332,7 @@ class Runner:
         # overlap the denoising instead of following it, and the result waits only for what is left.
         uploader.start()
         try:
+            use_torch_threads(order.request.model, self.settings)
             with loaded.lock:
                 output = self._generate(loaded.engine, order, given, source, uploader, clock, progress)
         except BaseException:
