@@ -117,7 +117,7 @@ class Feedback:
             elif leader and (entry := self.index.get(rid)) is not None and not entry.ready:
                 self.evict({rid: "leader finished without a stored trajectory"})
             self._count_hit(result)
-            self._count_check(result)
+            self._count_check(record.model, result)
             self._drop_gone_donor(result)
         else:
             if state != RequestState.DONE:
@@ -189,15 +189,14 @@ class Feedback:
             },
         )
 
-    def _count_check(self, result: GenerationResult) -> None:
+    def _count_check(self, model: str, result: GenerationResult) -> None:
         """Tell the gate how the worker's check of a planned donor went (it pauses verified reuse that does not
         pay). Counted once per result message: a redelivered result counts again, which only weighs it more."""
         check, donor, plan = result.verification, result.donor, result.plan
         if self.gate is None or check is None or donor is None or plan is None or plan.stage1_steps == 0:
             return
-        self.gate.record(
-            self.regime_of(result.steps_requested), donor.similarity, check.decision, plan.stage1_steps
-        )
+        regime = self.regime_of(result.steps_requested)
+        self.gate.record(model, regime, donor.similarity, check.decision, plan.stage1_steps)
 
     def _drop_gone_donor(self, result: GenerationResult) -> None:
         """A worker found the planned donor's objects missing, corrupt or incompatible: stop offering it, and let

@@ -84,7 +84,7 @@ def decide(
     if request.reuse is ReusePolicy.OFF:
         return Decision(Role.SOLO, ReusePlan.full(n), None, "reuse is off for this request: full run")
     considered = [
-        Considered(c, diff, planner.plan(c.similarity, diff, n))
+        Considered(c, diff, planner.plan(c.similarity, diff, n, request.model))
         for c in candidates
         if c.request_id != request.job_id  # candidates are named by job id
         for diff in (word_diff(c.prompt, request.prompt),)

@@ -254,7 +254,7 @@ class PlanChoice:
 class ReuseGate(Protocol):
     """What decides whether a verified row may apply now (``chorus_sched.reuse_gate``)."""
 
-    def allows(self, regime: str, similarity: float, stage1_steps: int) -> bool: ...
+    def allows(self, model: str, regime: str, similarity: float, stage1_steps: int) -> bool: ...
 
 
 class Planner:
@@ -267,7 +267,8 @@ class Planner:
         """The same table, its verified rows applied only while ``gate`` allows."""
         return Planner(self.table, gate)
 
-    def plan(self, similarity: float, diff: WordDiff, num_steps: int) -> PlanChoice:
+    def plan(self, similarity: float, diff: WordDiff, num_steps: int, model: str = "") -> PlanChoice:
+        """The first row of ``num_steps``' regime that admits the pair decides; ``model`` scopes the gate."""
         regime = self.table.regime_for(num_steps)
         changes = diff.content_changes(self.ignorable)
         for row in regime.rows:
@@ -278,7 +279,8 @@ class Planner:
             k2 = math.floor(row.k2 * num_steps)
             if row.verified and (policy is None or k1 == 0):
                 continue  # nothing would check the donor: the row's loose rule does not apply
-            if row.verified and self.gate is not None and not self.gate.allows(regime.name, similarity, k1):
+            gate = self.gate
+            if row.verified and gate is not None and not gate.allows(model, regime.name, similarity, k1):
                 continue  # its checks have been rejecting donors like this one: it costs more than it saves
             k3 = num_steps - k1 - k2  # ≥ 1 because k1 + k2 < 1
             plan = ReusePlan(

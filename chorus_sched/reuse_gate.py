@@ -8,7 +8,7 @@ searches each request's nearest neighbours among everything indexed: on traffic 
 neighbour of a new prompt is often a different prompt in similar words (``chorus bench serve --trace fresh``:
 25 of 47 requests planned a verified donor, 23 rejected, 0.80x the throughput of no reuse).
 
-So the scheduler counts the checks' outcomes per (regime, similarity band) and applies a verified row only while
+So the scheduler counts the checks' outcomes per (model, regime, similarity band) and applies a verified row only while
 its expected saving is positive: with ``p`` the band's acceptance rate, an accepted check saves ``k1`` steps and a
 rejected one costs one, so the row applies while ``p * k1 >= (1 - p)`` (at 4 steps, k1 = 2: p >= 1/3; at 50 steps,
 k1 = 25: p >= 1/26). Recent outcomes weigh more (each new outcome in a band decays the band's earlier counts),
@@ -51,26 +51,27 @@ class VerifiedReuseGate:
     def __init__(self, config: GateConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or GateConfig()
         self.clock = clock
-        self._bands: dict[tuple[str, int], _Band] = {}
+        self._bands: dict[tuple[str, str, int], _Band] = {}
         self._lock = threading.Lock()
         self.refusals = 0  # verified plans turned down (per candidate donor), over the gate's life
 
-    def _band(self, regime: str, similarity: float) -> tuple[tuple[str, int], _Band]:
-        key = (regime, math.floor(similarity / self.config.band_width))
+    def _band(self, model: str, regime: str, similarity: float) -> tuple[tuple[str, str, int], _Band]:
+        key = (model, regime, math.floor(similarity / self.config.band_width))
         band = self._bands.get(key)
         if band is None:
             band = self._bands[key] = _Band(self.config.prior_accepted, self.config.prior_rejected)
         return key, band
 
-    def acceptance(self, regime: str, similarity: float) -> float:
+    def acceptance(self, model: str, regime: str, similarity: float) -> float:
         with self._lock:
-            _, band = self._band(regime, similarity)
+            _, band = self._band(model, regime, similarity)
             return band.accepted / (band.accepted + band.rejected)
 
-    def allows(self, regime: str, similarity: float, stage1_steps: int) -> bool:
-        """Whether a verified plan reusing ``stage1_steps`` steps is worth its check in this band now."""
+    def allows(self, model: str, regime: str, similarity: float, stage1_steps: int) -> bool:
+        """Whether a verified plan reusing ``stage1_steps`` steps is worth its check in this band now (checks
+        of one model say nothing about another's)."""
         with self._lock:
-            _, band = self._band(regime, similarity)
+            _, band = self._band(model, regime, similarity)
             p = band.accepted / (band.accepted + band.rejected)
             if p * stage1_steps >= 1.0 - p:
                 return True
@@ -81,13 +82,13 @@ class VerifiedReuseGate:
             self.refusals += 1
             return False
 
-    def record(self, regime: str, similarity: float, decision: str, stage1_steps: int) -> None:
+    def record(self, model: str, regime: str, similarity: float, decision: str, stage1_steps: int) -> None:
         """A check's outcome (``VerificationReport.decision``); a shortened donor counts half accepted."""
         weight = {"accepted": 1.0, "shortened": 0.5, "rejected": 0.0}.get(decision)
         if weight is None:
             return  # unverified: the check could not measure, it says nothing about the band
         with self._lock:
-            key, band = self._band(regime, similarity)
+            key, band = self._band(model, regime, similarity)
             band.accepted = band.accepted * self.config.decay + weight
             band.rejected = band.rejected * self.config.decay + (1.0 - weight)
             p = band.accepted / (band.accepted + band.rejected)
@@ -100,8 +101,9 @@ class VerifiedReuseGate:
                     if now_open
                     else "verified reuse paused for a similarity band: its donor checks reject too often",
                     extra={
+                        "model": model,
                         "regime": regime,
-                        "band": [round(key[1] * width, 3), round((key[1] + 1) * width, 3)],
+                        "band": [round(key[2] * width, 3), round((key[2] + 1) * width, 3)],
                         "acceptance": round(p, 3),
                         "stage1_steps": stage1_steps,
                         "break_even": round(1.0 / (stage1_steps + 1), 3),
