@@ -41,7 +41,7 @@ class Feedback:
         exact: ExactHits,
         stats: SchedulerStats,
         gate: VerifiedReuseGate | None = None,
-        regime_of: Callable[[int], str] = lambda n: "",
+        regime_of: Callable[[int], str] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.embedder = embedder
@@ -50,6 +50,8 @@ class Feedback:
         self.evict = evict
         self.exact = exact
         self.stats = stats
+        if gate is not None and regime_of is None:
+            raise ValueError("a reuse gate needs regime_of: its bands are per regime")
         self.gate = gate
         self.regime_of = regime_of
         self.clock = clock
@@ -117,7 +119,7 @@ class Feedback:
             elif leader and (entry := self.index.get(rid)) is not None and not entry.ready:
                 self.evict({rid: "leader finished without a stored trajectory"})
             self._count_hit(result)
-            self._count_check(record.model, result)
+            self._count_check(record, result)
             self._drop_gone_donor(result)
         else:
             if state != RequestState.DONE:
@@ -189,14 +191,25 @@ class Feedback:
             },
         )
 
-    def _count_check(self, model: str, result: GenerationResult) -> None:
-        """Tell the gate how the worker's check of a planned donor went (it pauses verified reuse that does not
-        pay). Counted once per result message: a redelivered result counts again, which only weighs it more."""
+    def _count_check(self, record: RequestRecord, result: GenerationResult) -> None:
+        """Tell the gate how the worker's check of a verified row's donor went (it pauses verified reuse that does
+        not pay). Once per request: a redelivered result is not counted again. A failure here is logged, never
+        retried: the gate is advice, and a retry would re-run the result's other effects."""
         check, donor, plan = result.verification, result.donor, result.plan
-        if self.gate is None or check is None or donor is None or plan is None or plan.stage1_steps == 0:
+        if self.gate is None or self.regime_of is None or not record.verified_plan:
             return
-        regime = self.regime_of(result.steps_requested)
-        self.gate.record(model, regime, donor.similarity, check.decision, plan.stage1_steps)
+        if check is None or donor is None or plan is None or plan.stage1_steps == 0:
+            return
+        try:
+            if not self.ledger.mark_once(f"check:{result.job_id}"):
+                return
+            regime = self.regime_of(record.num_steps)
+            self.gate.record(record.model, regime, donor.similarity, check.decision, plan.stage1_steps)
+        except Exception as exc:
+            log.warning(
+                "donor check not counted by the reuse gate",
+                extra={"request_id": result.request_id, "job": result.job_id, "error": repr(exc)},
+            )
 
     def _drop_gone_donor(self, result: GenerationResult) -> None:
         """A worker found the planned donor's objects missing, corrupt or incompatible: stop offering it, and let

@@ -417,6 +417,8 @@ class Intake:
                 except Exception as exc:  # the leader entry goes stale and is dropped by maintenance
                     log.warning("could not remove an undispatched leader", extra={"error": repr(exc)})
             raise
+        if decision.chosen is not None and donor is not None:
+            self.planner.chosen(decision.chosen.choice, request.model, donor.similarity)
         self._record_dispatch(request, decision, order, origin)
         try:
             self.exact.running(request)
@@ -459,6 +461,7 @@ class Intake:
             donor_id=donor.request_id if donor else None,
             similarity=donor.similarity if donor else None,
             planned_steps_saved=decision.steps_saved_estimate,
+            verified_plan=decision.chosen is not None and decision.chosen.choice.verified,
             scheduler=self.instance,
             order=order.model_dump_json(),
             origin=origin,

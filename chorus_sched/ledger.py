@@ -88,6 +88,8 @@ class RequestRecord(BaseModel):
     donor_id: str | None = None
     similarity: float | None = None
     planned_steps_saved: float = 0.0
+    # The plan came from a verified row (``PlanChoice.verified``): only its donor check teaches the reuse gate.
+    verified_plan: bool = False
     scheduler: str = ""
     accepted_at: float = Field(default_factory=time.time)
     # The WorkOrder as sent (JSON), when it was (last) sent, and how many times the watchdog sent it again: what

@@ -245,6 +245,7 @@ class PlanChoice:
     row: str | None  # the row that decided; None when the plan is a full run
     content_changes: int
     reason: str
+    verified: bool = False  # a verified row made it: its donor check's outcome teaches the gate
 
     @property
     def reuses(self) -> bool:
@@ -256,6 +257,8 @@ class ReuseGate(Protocol):
 
     def allows(self, model: str, regime: str, similarity: float, stage1_steps: int) -> bool: ...
 
+    def chosen(self, model: str, regime: str, similarity: float, stage1_steps: int) -> None: ...
+
 
 class Planner:
     def __init__(self, table: CalibrationTable, gate: ReuseGate | None = None) -> None:
@@ -266,6 +269,11 @@ class Planner:
     def gated(self, gate: ReuseGate) -> Planner:
         """The same table, its verified rows applied only while ``gate`` allows."""
         return Planner(self.table, gate)
+
+    def chosen(self, choice: PlanChoice, model: str, similarity: float) -> None:
+        """``choice`` was dispatched: a verified plan made while its band was closed spends the exploration."""
+        if choice.verified and self.gate is not None:
+            self.gate.chosen(model, choice.regime, similarity, choice.plan.stage1_steps)
 
     def plan(self, similarity: float, diff: WordDiff, num_steps: int, model: str = "") -> PlanChoice:
         """The first row of ``num_steps``' regime that admits the pair decides; ``model`` scopes the gate."""
@@ -310,7 +318,7 @@ class Planner:
                 f"{changes} content change(s) ≤ {row.max_content_changes} ({diff.describe()})"
                 + ("; the worker verifies the donor with the model" if row.verified else "")
             )
-            return PlanChoice(plan, regime.name, row.name, changes, reason)
+            return PlanChoice(plan, regime.name, row.name, changes, reason, verified=row.verified)
         reason = (
             f"no {regime.name} row admits similarity {similarity:.3f} with {changes} content change(s) "
             f"({diff.describe()})"

@@ -5,8 +5,8 @@ check decide (``workers.engine.verify``). An accepted check costs nothing (its p
 rejected one throws its pass away, so the request computes one step more than in full. Whether the row pays
 therefore depends on the traffic. The calibration measured it on its own mix, one pair at a time, but a stream
 searches each request's nearest neighbours among everything indexed: on traffic of new prompts, the nearest
-neighbour of a new prompt is often a different prompt in similar words (``chorus bench serve --trace fresh``:
-25 of 47 requests planned a verified donor, 23 rejected, 0.80x the throughput of no reuse).
+neighbour of a new prompt is often a different prompt in similar words (``chorus bench serve --trace fresh``
+before this gate: 25 of 47 requests planned a verified donor and 23 of those checks rejected it).
 
 So the scheduler counts the checks' outcomes per (model, regime, similarity band) and applies a verified row only while
 its expected saving is positive: with ``p`` the band's acceptance rate, an accepted check saves ``k1`` steps and a
@@ -14,6 +14,11 @@ rejected one costs one, so the row applies while ``p * k1 >= (1 - p)`` (at 4 ste
 k1 = 25: p >= 1/26). Recent outcomes weigh more (each new outcome in a band decays the band's earlier counts),
 from a prior of one accept and one reject. A closed band still lets one plan through every ``explore_every_s``,
 so that a change of traffic can reopen it (time, not a count: the planner asks once per candidate donor).
+
+Only the checks of plans a verified row made teach the gate (the feedback knows them from the request's record):
+a same-prompt row's donor is checked too, and its accepts would open a band for the loose row it never tried.
+``allows`` has no side effect — the planner asks for every candidate, including ones that lose the ranking and
+the search across tenants — and an exploration is spent (``chosen``) only when such a plan is dispatched.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ class VerifiedReuseGate:
         self.refusals = 0  # verified plans turned down (per candidate donor), over the gate's life
 
     def _band(self, model: str, regime: str, similarity: float) -> tuple[tuple[str, str, int], _Band]:
-        key = (model, regime, math.floor(similarity / self.config.band_width))
+        # round first: 0.70 / 0.05 is 13.999999999999998 in binary, and 0.70 belongs to the band that starts there
+        key = (model, regime, math.floor(round(similarity / self.config.band_width, 9)))
         band = self._bands.get(key)
         if band is None:
             band = self._bands[key] = _Band(self.config.prior_accepted, self.config.prior_rejected)
@@ -68,19 +74,25 @@ class VerifiedReuseGate:
             return band.accepted / (band.accepted + band.rejected)
 
     def allows(self, model: str, regime: str, similarity: float, stage1_steps: int) -> bool:
-        """Whether a verified plan reusing ``stage1_steps`` steps is worth its check in this band now (checks
-        of one model say nothing about another's)."""
+        """Whether a verified plan reusing ``stage1_steps`` steps may be made in this band now: while its checks
+        pay, or when a closed band is due an exploration (spent by ``chosen``). No side effect on the band."""
         with self._lock:
             _, band = self._band(model, regime, similarity)
             p = band.accepted / (band.accepted + band.rejected)
             if p * stage1_steps >= 1.0 - p:
                 return True
-            now = self.clock()
-            if now - band.explored_at >= self.config.explore_every_s:
-                band.explored_at = now
+            if self.clock() - band.explored_at >= self.config.explore_every_s:
                 return True  # explore: the only way a closed band learns that traffic changed
-            self.refusals += 1
+            self.refusals += 1  # a statistic only: per candidate donor, across every search that asked
             return False
+
+    def chosen(self, model: str, regime: str, similarity: float, stage1_steps: int) -> None:
+        """A verified plan in this band was dispatched: if the band is closed, that was its exploration."""
+        with self._lock:
+            _, band = self._band(model, regime, similarity)
+            p = band.accepted / (band.accepted + band.rejected)
+            if p * stage1_steps < 1.0 - p:
+                band.explored_at = self.clock()
 
     def record(self, model: str, regime: str, similarity: float, decision: str, stage1_steps: int) -> None:
         """A check's outcome (``VerificationReport.decision``); a shortened donor counts half accepted."""

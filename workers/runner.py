@@ -125,8 +125,8 @@ _default_threads: int | None = None  # torch's own count for this process, befor
 
 
 def use_torch_threads(model: str, settings: WorkerSettings) -> None:
-    """Run the next order on the model's torch thread count (``CHORUS_TORCH_THREADS``); a pool process runs one
-    order at a time, so the process-wide setting is the order's."""
+    """Run the next order on the model's torch thread count (``CHORUS_TORCH_THREADS``); a prefork pool process
+    runs one order at a time, so the process-wide setting is the order's (a threads pool shares it)."""
     global _default_threads
     if settings.device != "cpu":
         return

@@ -48,7 +48,9 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     # Torch threads per model on a CPU worker (JSON in CHORUS_TORCH_THREADS, e.g. {"toy": 1}); a model not
     # named runs on torch's default, one per core. The toy model's steps are too small for a second thread,
     # which mostly spins waiting and takes the core from the scheduler beside it (chorus bench serve --quick,
-    # toy: 5.7 -> 8.2 requests/s with reuse, worker CPU per request 0.22 -> 0.10 s).
+    # toy: 5.7 -> 8.2 requests/s with reuse, worker CPU per request 0.22 -> 0.10 s). torch's thread count is
+    # per process: under `chorus worker --pool threads` the pool's threads share it, and the last order to start
+    # sets it for all of them (the prefork pool, the default, runs one order per process).
     torch_threads: dict[str, Annotated[int, Field(ge=1, le=256)]] = Field(default_factory=lambda: {"toy": 1})
 
     # --- Celery worker -------------------------------------------------------------------------------
@@ -89,6 +91,16 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
         unknown = [m for m in value if m not in CATALOG]
         if unknown:
             raise ValueError(f"unknown model(s) {unknown}; known: {sorted(CATALOG)}")
+        return value
+
+    @field_validator("torch_threads")
+    @classmethod
+    def _threads_of_known_models(cls, value: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(m for m in value if m not in CATALOG)
+        if unknown:
+            raise ValueError(
+                f"CHORUS_TORCH_THREADS names unknown model(s) {unknown}; known: {sorted(CATALOG)}"
+            )
         return value
 
     @field_validator("s3_endpoint")

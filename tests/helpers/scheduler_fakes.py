@@ -252,8 +252,8 @@ class Ports:
         return [value for t, _, value in self.published if t == topic]
 
 
-def make_ports(tmp_path: Any) -> Ports:
-    """A Scheduler wired to fresh fakes, and the fakes."""
+def make_ports(tmp_path: Any, planner: Planner | None = None) -> Ports:
+    """A Scheduler wired to fresh fakes (and the packaged calibration unless ``planner``), and the fakes."""
     settings = SchedulerSettings(state_dir=tmp_path, instance_id="unit", kafka_requests_topic=REQUESTS)
     ledger, index, embedder, dispatcher = FakeLedger(), FakeIndex(), FakeEmbedder(), FakeDispatcher()
     published: list[tuple[str, str, bytes]] = []
@@ -264,7 +264,7 @@ def make_ports(tmp_path: Any) -> Ports:
         ledger=cast(Ledger, ledger),
         dispatcher=cast(Dispatcher, dispatcher),
         publish=lambda topic, key, value: published.append((topic, key, value)),
-        planner=Planner(load_calibration()),
+        planner=planner or Planner(load_calibration()),
         clock=lambda: 1000.0,
     )
     return Ports(scheduler, ledger, index, embedder, dispatcher, published)

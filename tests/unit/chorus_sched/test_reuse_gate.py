@@ -36,20 +36,31 @@ def test_a_band_pauses_below_break_even_explores_and_reopens() -> None:
     assert gate.allows("toy", "few", 0.72, 2)  # the prior: one accept, one reject
     _rejected_enough(gate)
     assert gate.acceptance("toy", "few", 0.72) < 1 / 3  # k1 = 2 of 4: a check must accept a third of the time
-    assert gate.allows("toy", "few", 0.72, 2)  # the band's first exploration
+    assert gate.allows("toy", "few", 0.72, 2) and gate.allows("toy", "few", 0.72, 2)  # asking spends nothing
+    gate.chosen("toy", "few", 0.72, 2)  # the band's first exploration was dispatched
     assert not gate.allows("toy", "few", 0.71, 2) and gate.refusals == 1  # same band, within the interval
     clock.now += 5.0
     assert gate.allows("toy", "few", 0.74, 2)  # explores again after the interval
+    gate.chosen("toy", "few", 0.74, 2)
     assert not gate.allows("toy", "few", 0.74, 2)
     for _ in range(3):
         gate.record("toy", "few", 0.73, "accepted", stage1_steps=2)
-    assert gate.allows("toy", "few", 0.72, 2) and gate.allows("toy", "few", 0.72, 2)  # reopened
+    assert gate.allows("toy", "few", 0.72, 2)  # reopened
+    gate.chosen("toy", "few", 0.72, 2)  # an open band spends no exploration
+    assert gate.allows("toy", "few", 0.72, 2)
+
+
+def test_band_edges_hold_under_binary_rounding() -> None:
+    gate = VerifiedReuseGate()
+    _rejected_enough(gate, similarity=0.70)  # 0.70 / 0.05 is 13.999999999999998 in floating point
+    assert gate.acceptance("toy", "few", 0.74) < 1 / 3  # the same band [0.70, 0.75)
+    assert gate.acceptance("toy", "few", 0.69) == 0.5
 
 
 def test_bands_regimes_and_step_counts_are_judged_apart() -> None:
     gate = VerifiedReuseGate()
     _rejected_enough(gate)
-    gate.allows("toy", "few", 0.72, 2)  # spend the exploration
+    gate.chosen("toy", "few", 0.72, 2)  # spend the exploration
     assert not gate.allows("toy", "few", 0.72, 2)
     assert gate.allows("toy", "few", 0.77, 2)  # another band
     assert gate.allows("toy", "many", 0.72, 2)  # another regime
@@ -69,13 +80,16 @@ def test_the_planner_skips_a_paused_verified_row_but_not_the_others() -> None:
     table = parse_calibration(json.dumps(_with_verified_row()))
     gate = VerifiedReuseGate()
     planner = Planner(table).gated(gate)
-    assert planner.plan(0.5, word_diff(OTHER_WORDS, RED), 4, "toy").row == "reworded"  # the exploration
+    explored = planner.plan(0.5, word_diff(OTHER_WORDS, RED), 4, "toy")
+    assert explored.row == "reworded" and explored.verified
     _rejected_enough(gate, similarity=0.5)
-    gate.allows("toy", "few", 0.5, 3)
+    assert planner.plan(0.5, word_diff(OTHER_WORDS, RED), 4, "toy").reuses  # not dispatched: not spent
+    planner.chosen(explored, "toy", 0.5)  # dispatched while the band is closed: its exploration
     paused = planner.plan(0.5, word_diff(OTHER_WORDS, RED), 4, "toy")
     assert not paused.reuses and paused.row is None
     assert planner.plan(0.5, word_diff(OTHER_WORDS, RED), 4, "mid").row == "reworded"  # another model
-    assert planner.plan(1.0, word_diff(RED, RED), 4).row == "same"  # rows on similarity alone: unaffected
+    same = planner.plan(1.0, word_diff(RED, RED), 4)
+    assert same.row == "same" and not same.verified  # rows on similarity alone: unaffected
     assert Planner(table).plan(0.5, word_diff(OTHER_WORDS, RED), 4).row == "reworded"  # ungated: the bench
 
 
@@ -92,19 +106,73 @@ def _checked(rid: str, decision: str, similarity: float) -> bytes:
     return result.to_bytes()
 
 
-def test_the_scheduler_learns_from_its_results(tmp_path: Path) -> None:
+def _dispatched(ports: Any, ids: list[str], *, verified: bool, seed: int = 0) -> None:
+    ports.scheduler.handle_requests(
+        [Msg(request(request_id=r, seed=seed + i).to_bytes(), i) for i, r in enumerate(ids)]
+    )
+    for r in ids:  # as if a verified row (or another row) had planned each with a donor
+        ports.ledger.records[r] = ports.ledger.records[r].model_copy(update={"verified_plan": verified})
+
+
+def test_the_scheduler_learns_from_its_verified_plans_results_once(tmp_path: Path) -> None:
     ports = make_ports(tmp_path)
     gate = ports.scheduler.gate
     assert gate is not None
     regime = ports.scheduler.planner.table.regime_for(4).name
-    ids = [f"r{i}" for i in range(3)]
-    ports.scheduler.handle_requests(
-        [Msg(request(request_id=r, seed=i).to_bytes(), i) for i, r in enumerate(ids)]
-    )
-    results = [Msg(_checked(r, "rejected", 0.72), i, topic="results") for i, r in enumerate(ids)]
-    ports.scheduler.handle_results(results)
-    assert gate.acceptance("toy", regime, 0.72) < 1 / 3
+    _dispatched(ports, ["v0", "v1"], verified=True)
+    _dispatched(ports, ["s0", "s1", "s2"], verified=False, seed=10)
+    same_prompt = [
+        Msg(_checked(r, "accepted", 0.72), i, topic="results") for i, r in enumerate(["s0", "s1", "s2"])
+    ]
+    ports.scheduler.handle_results(same_prompt)
+    # a same-prompt row's checks say nothing of the loose row
+    assert gate.acceptance("toy", regime, 0.72) == 0.5
+    rejected = [Msg(_checked(r, "rejected", 0.72), i, topic="results") for i, r in enumerate(["v0", "v1"])]
+    ports.scheduler.handle_results(rejected)
+    after = gate.acceptance("toy", regime, 0.72)
+    assert after < 1 / 3
+    ports.scheduler.handle_results(rejected)  # redelivered: counted once
+    assert gate.acceptance("toy", regime, 0.72) == after
     assert gate.acceptance("toy", regime, 0.92) == 0.5  # other bands untouched
+
+
+def test_a_dispatched_verified_plan_is_recorded_as_such_and_spends_the_exploration(tmp_path: Path) -> None:
+    planner = Planner(parse_calibration(json.dumps(_with_verified_row())))
+    ports = make_ports(tmp_path, planner)
+    gate = ports.scheduler.gate
+    assert gate is not None
+    ports.scheduler.handle_requests([Msg(request(RED, request_id="donor").to_bytes(), 0)])
+    ports.scheduler.handle_results([Msg(done("donor").to_bytes(), 0, topic="results")])
+    reworded = "a red circle drifting leftward on a pale white backdrop"
+    ports.scheduler.handle_requests([Msg(request(reworded, request_id="t0").to_bytes(), 1)])
+    order = ports.dispatcher.orders[-1]
+    assert order.donor is not None and order.plan.stage1_steps == 3
+    assert ports.ledger.records["t0"].verified_plan
+    similarity = order.donor.similarity
+    assert gate.allows("toy", "few", similarity, 3)  # the band is open: nothing was spent
+    _rejected_enough(gate, similarity=similarity)
+    gate.record("toy", "few", similarity, "rejected", stage1_steps=3)  # below 1/4 accepted: closed
+    ports.scheduler.handle_requests([Msg(request(reworded, request_id="t1", seed=1).to_bytes(), 2)])
+    assert ports.dispatcher.orders[-1].plan.stage1_steps == 3  # the closed band's exploration, dispatched
+    ports.scheduler.handle_requests([Msg(request(reworded, request_id="t2", seed=2).to_bytes(), 3)])
+    assert ports.dispatcher.orders[-1].plan.stage1_steps == 0  # spent: paused until the next interval
+    assert not ports.ledger.records["t2"].verified_plan
+
+
+def test_a_gate_failure_does_not_fail_the_result(tmp_path: Path, monkeypatch: Any) -> None:
+    ports = make_ports(tmp_path)
+    gate = ports.scheduler.gate
+    assert gate is not None
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("gate broke")
+
+    monkeypatch.setattr(gate, "record", broken)
+    _dispatched(ports, ["v0"], verified=True)
+    outcome = ports.scheduler.handle_results([Msg(_checked("v0", "rejected", 0.72), 0, topic="results")])
+    assert not outcome.retry  # the partition is not rewound for advice
+    entry = ports.index.get("v0")
+    assert entry is not None and entry.ready
 
 
 def test_the_gate_can_be_switched_off(tmp_path: Path, monkeypatch: Any) -> None:

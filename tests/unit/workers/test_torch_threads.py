@@ -13,9 +13,9 @@ from workers.settings import WorkerSettings
 def test_each_order_runs_on_its_models_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     before = torch.get_num_threads()
     monkeypatch.setattr(runner, "_default_threads", None)
-    monkeypatch.setenv("CHORUS_TORCH_THREADS", '{"toy": 1, "big": 2}')
+    monkeypatch.setenv("CHORUS_TORCH_THREADS", '{"toy": 1, "wan2.1-t2v-1.3b": 2}')
     settings = WorkerSettings()
-    assert settings.torch_threads == {"toy": 1, "big": 2}
+    assert settings.torch_threads == {"toy": 1, "wan2.1-t2v-1.3b": 2}
     try:
         torch.set_num_threads(2)
         runner.use_torch_threads("toy", settings)
@@ -34,4 +34,7 @@ def test_the_default_runs_the_toy_model_on_one_thread_and_rejects_zero(
     assert WorkerSettings().torch_threads == {"toy": 1}
     monkeypatch.setenv("CHORUS_TORCH_THREADS", '{"toy": 0}')
     with pytest.raises(ValidationError):
+        WorkerSettings()
+    monkeypatch.setenv("CHORUS_TORCH_THREADS", '{"tyo": 1}')  # a typo would silently run on the default
+    with pytest.raises(ValidationError, match="unknown model"):
         WorkerSettings()
