@@ -10,8 +10,9 @@ Brokers:
 - ``CHORUS_BROKER_URL=redis://…`` (production): Redis broker; results in Redis too unless
   ``CHORUS_RESULT_BACKEND`` says otherwise. The visibility timeout exceeds the hard time limit so a long task is
   never handed to a second worker while the first still runs it.
-- empty ``broker_url`` (the embedded default): kombu's ``filesystem://`` transport in ``state_dir/celery`` with a
-  ``file://`` result backend, so a laptop runs real worker processes without Redis.
+- empty ``broker_url`` (the embedded default): kombu's ``filesystem://`` transport in ``state_dir/celery`` (with
+  atomic message files, ``producer.file_transport``) and a ``file://`` result backend, so a laptop runs real
+  worker processes without Redis.
 
 Delivery semantics: ``acks_late`` + ``reject_on_worker_lost`` + prefetch 1 — an order is acknowledged only
 after it ran, and one whose worker died is delivered again (up to ``task_max_attempts`` times, counted by the
@@ -30,6 +31,7 @@ from celery.result import AsyncResult
 from kombu import Exchange, Queue
 
 from producer.file_backend import atomic_file_url
+from producer.file_transport import TRANSPORT_PATH
 from producer.orders import (
     EVICT_TASK,
     GENERATE_TASK,
@@ -110,6 +112,8 @@ def celery_config(settings: BrokerSettings) -> dict[str, Any]:
         result_backend = atomic_file_url(result_backend)
     return {
         "broker_url": broker_url,
+        # the filesystem broker with atomic message files (producer.file_transport); None: the URL's scheme
+        "broker_transport": TRANSPORT_PATH if broker_url == "filesystem://" else None,
         "result_backend": result_backend,
         "broker_transport_options": transport_options,
         "result_backend_transport_options": (

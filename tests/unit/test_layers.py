@@ -7,7 +7,8 @@ The layer map, bottom to top (``x.*`` is ``x`` and everything under it):
 ============  ===================================================================================================
 kernel        ``producer.{contract,catalog,settings,bus,logs,readiness,metrics_server}`` and the scheduler→worker
               contract ``producer.orders`` (orders, queue routing, object-store key layout) with its Celery side
-              ``producer.broker`` (and ``producer.file_backend``, its embedded result backend). Imports only
+              ``producer.broker`` (and ``producer.file_backend`` / ``producer.file_transport``, its embedded
+              result backend and broker transport). Imports only
               the kernel.
 engine        ``workers.engine.*`` and the model code its registry loads by name (``workers.toy.model``, with the
               toy world and its checker). Imports only ``producer.contract``, ``producer.catalog`` and the engine.
@@ -62,6 +63,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "producer.orders",
         "producer.broker",
         "producer.file_backend",
+        "producer.file_transport",
     ),
     "engine": ("workers.engine.*", "workers.toy.model", "workers.toy.world", "workers.toy.checker"),
     "client": ("producer.sdk", "producer.cli_produce"),
