@@ -21,7 +21,8 @@ metric                                                         type       where
 =============================================================  =========  =======================================
 ``chorus_worker_requests_total{model,role,status,reuse}``      counter    each result published (runner)
 ``chorus_worker_failures_total{code}``                         counter    each ``failed`` result, by error code
-``chorus_worker_phase_duration_seconds{phase}``                histogram  queue, fetch, denoise, decode, upload
+``chorus_worker_phase_duration_seconds{phase}``                histogram  queue, fetch, denoise, decode, upload,
+                                                                          publish (result → broker ack)
 ``chorus_worker_denoise_stage_duration_seconds{stage}``        histogram  denoising wall time of stages 1, 2, 3
 ``chorus_request_duration_seconds{status}``                    histogram  submission → result published
 ``chorus_worker_steps_requested_total{model}``                 counter    denoising steps asked for (done)
@@ -81,7 +82,7 @@ MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 ROLES: Final = (Role.LEADER, Role.FOLLOWER, Role.SOLO)
 STATUSES: Final = ("done", "failed")
 REUSE: Final = ("donor", "fallback", "none")
-PHASES: Final = ("queue", "fetch", "denoise", "decode", "upload")
+PHASES: Final = ("queue", "fetch", "denoise", "decode", "upload", "publish")
 STAGES: Final = ("1", "2", "3")
 FAILURE_CODES: Final = (*FailureCode, "other")
 FALLBACK_CAUSES: Final = tuple(FallbackCause)  # the engine decides each fallback and names its cause
@@ -122,7 +123,8 @@ class WorkerMetrics:
         self.phase_seconds = Histogram(
             "chorus_worker_phase_duration_seconds",
             "Per-request latency of each worker phase: queue (accepted by the scheduler → started), fetch "
-            "(donor download and waiting for a leader), denoise, decode, upload.",
+            "(donor download and waiting for a leader), denoise, decode, upload, publish (the result produced to "
+            "the results topic until the broker acknowledged it).",
             ["phase"],
             buckets=PHASE_BUCKETS_S,
             registry=registry,

@@ -37,7 +37,9 @@ def test_a_short_trace_both_ways(tmp_path: Path) -> None:
         "decode",
         "upload",
         "publish",
+        "deliver",
     }
+    assert on["worker_phase_s"]["publish"] > 0  # read from the worker's own histogram
     assert on["worker_phase_s"]["denoise"] > 0 and on["scheduler"]["total_ms_per_request"] > 0
     assert entry["compare"]["throughput_ratio"] is not None
     assert len(entry["latencies_s"]["auto"]) == len(entry["latencies_s"]["off"]) == 8

@@ -13,7 +13,9 @@ the same worker, in the same run. Per model:
 Besides wall-clock throughput, each pass records the CPU seconds per request of the worker's and the scheduler's
 process groups (``/proc``): on a machine other work shares, a pass's wall time depends on that work, its CPU time
 much less (``compare.cpu_throughput_ratio``). The scheduler's time per request comes from its own histogram ``chorus_scheduler_phase_duration_seconds``
-(embed per poll, search and plan per request, dispatch per order), read before and after each pass. For the toy
+(embed per poll, search and plan per request, dispatch per order), read before and after each pass, and the
+worker's seconds producing each result from the worker's ``chorus_worker_phase_duration_seconds`` the same way
+(``publish``: the worker's share of delivering a result; the rest of the hop is ``deliver``). For the toy
 model every video is read back from the object store and judged by ``workers.toy.checker`` against the
 attributes its prompt asks for.
 
@@ -40,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from producer.contract import ResultStatus
 from producer.local.config import StackOptions
+from producer.local.processes import ServiceProcess
 from producer.local.stack import EmbeddedStack
 from producer.sdk import ChorusClient, ResultWatcher
 from workers.bench.faults.observe import group_cpu_s
@@ -49,6 +52,7 @@ from workers.bench.serve.trace import TraceSpec
 
 FORMAT = "chorus-bench-serve/1"
 SCHED_METRIC = "chorus_scheduler_phase_duration_seconds"
+WORKER_METRIC = "chorus_worker_phase_duration_seconds"
 Say = Callable[[str], None]
 
 
@@ -159,7 +163,8 @@ def _run_model(
     passes: dict[str, dict[str, Any]] = {}
     observed: dict[str, list[Observation]] = {}
     for reuse in ("auto", "off"):
-        before = _scheduler_phases(stack)
+        before = _phase_sums(stack.schedulers, SCHED_METRIC)
+        worker_before = _phase_sums(stack.workers, WORKER_METRIC)
         cpu_before = _cpu(stack)
         load_before = os.getloadavg()[0]
         requests = requests_for(items, shape, prefix=f"{tag}-{reuse}-", reuse=reuse)
@@ -174,8 +179,14 @@ def _run_model(
             check=stack.check,
         )
         stack.wait_idle(timeout_s=60)
-        summary = report.summarize(obs, start)
-        summary["scheduler"] = _scheduler_delta(before, _scheduler_phases(stack), len(requests))
+        summary = report.summarize(
+            obs,
+            start,
+            publish_s=_mean_delta(worker_before, _phase_sums(stack.workers, WORKER_METRIC), "publish"),
+        )
+        summary["scheduler"] = _scheduler_delta(
+            before, _phase_sums(stack.schedulers, SCHED_METRIC), len(requests)
+        )
         cpu_after = _cpu(stack)
         summary["cpu"] = {
             f"{role}_s_per_request": round((cpu_after[role] - cpu_before[role]) / len(requests), 4)
@@ -241,14 +252,14 @@ def _cpu(stack: EmbeddedStack) -> dict[str, float]:
     }
 
 
-def _scheduler_phases(stack: EmbeddedStack) -> dict[str, tuple[float, float]]:
-    """(sum of seconds, count) per phase of the scheduler's phase histogram, summed over its instances."""
+def _phase_sums(processes: Sequence[ServiceProcess], metric: str) -> dict[str, tuple[float, float]]:
+    """(sum of seconds, count) per phase of a phase histogram, summed over the processes' metrics endpoints."""
     totals: dict[str, list[float]] = {}
-    for process in stack.schedulers:
+    for process in processes:
         with urllib.request.urlopen(process.metrics_url, timeout=5) as response:
             text = response.read().decode()
         for family in text_string_to_metric_families(text):
-            if family.name != SCHED_METRIC:
+            if family.name != metric:
                 continue
             for sample in family.samples:
                 phase = sample.labels.get("phase", "")
@@ -258,6 +269,15 @@ def _scheduler_phases(stack: EmbeddedStack) -> dict[str, tuple[float, float]]:
                 elif sample.name.endswith("_count"):
                     slot[1] += sample.value
     return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def _mean_delta(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], phase: str
+) -> float | None:
+    """Mean seconds of ``phase`` over the observations made between the two readings (None: none made)."""
+    total, count = after.get(phase, (0.0, 0.0))
+    total0, count0 = before.get(phase, (0.0, 0.0))
+    return (total - total0) / (count - count0) if count > count0 else None
 
 
 def _scheduler_delta(

@@ -11,10 +11,13 @@ per request by phase for the requests a worker ran (exact hits have none):
 - ``fetch``, ``denoise``, ``decode`` (the engine's decode and the video encoding), ``upload`` (video and
   trajectory): the worker's own phases (``workers.results.PhaseClock``);
 - ``other``: the rest of the worker's time on the order (``worker_s`` minus the phases above);
-- ``publish``: result assembled → read by the benchmark (Kafka produce, the watcher's poll).
+- ``publish``: the worker producing the result until the broker acknowledged it (the worker's own
+  ``chorus_worker_phase_duration_seconds{phase="publish"}``, mean over the pass; the worker waits for it);
+- ``deliver``: result assembled → read by the benchmark, less ``publish``: the broker and the reader's poll,
+  a share of latency, not of worker time.
 
-``outside_engine_s`` is everything but ``denoise`` and ``queue``; ``outside_engine_ratio`` divides it by
-``denoise``.
+``outside_engine_s`` is the worker's time outside the engine: everything but ``denoise``, ``queue`` and
+``deliver``; ``outside_engine_ratio`` divides it by ``denoise``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 from producer.contract import GenerationResult, ResultStatus, ReuseKind
 from workers.bench.serve.replay import Observation
 
-PHASES = ("queue", "prepare", "fetch", "denoise", "decode", "upload", "other", "publish")
+PHASES = ("queue", "prepare", "fetch", "denoise", "decode", "upload", "other", "deliver")
 OUTSIDE = ("prepare", "fetch", "decode", "upload", "other", "publish")
 
 
@@ -57,7 +60,7 @@ def phases_of(obs: Observation) -> dict[str, float]:
     }
     inside = sum(v for k, v in named.items() if k != "queue")
     named["other"] = max(0.0, t.worker_s - inside) if t.worker_s else 0.0
-    named["publish"] = obs.delivery_s
+    named["deliver"] = obs.delivery_s  # publish included: summarize takes the worker's share out
     return named
 
 
@@ -65,7 +68,11 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def summarize(observations: Sequence[Observation], start: float) -> dict[str, Any]:
+def summarize(
+    observations: Sequence[Observation], start: float, publish_s: float | None = None
+) -> dict[str, Any]:
+    """One pass's figures; ``publish_s`` is the worker's mean seconds producing a result (None: not measured,
+    left out of ``outside_engine_s``)."""
     results = [o.result for o in observations]
     done = [r for r in results if r.status is ResultStatus.DONE]
     makespan = max(o.received for o in observations) - start if observations else float("nan")
@@ -73,8 +80,12 @@ def summarize(observations: Sequence[Observation], start: float) -> dict[str, An
     worked = [
         o for o in observations if o.result.reuse is not ReuseKind.EXACT and o.result.timings.worker_s > 0
     ]
-    phases = {p: round(_mean([phases_of(o)[p] for o in worked]), 4) for p in PHASES}
-    outside = sum(phases[p] for p in OUTSIDE) if worked else float("nan")
+    phases: dict[str, float | None] = {p: round(_mean([phases_of(o)[p] for o in worked]), 4) for p in PHASES}
+    phases["publish"] = None if publish_s is None else round(publish_s, 4)
+    if publish_s is not None and worked:
+        phases["deliver"] = round(max(0.0, (phases["deliver"] or 0.0) - publish_s), 4)
+    outside = sum(phases[p] or 0.0 for p in OUTSIDE) if worked else float("nan")
+    denoise = phases["denoise"] or 0.0
     steps_requested = sum(r.steps_requested for r in done)
     return {
         "requests": len(observations),
@@ -100,9 +111,7 @@ def summarize(observations: Sequence[Observation], start: float) -> dict[str, An
         "worker_requests": len(worked),
         "worker_phase_s": phases,
         "outside_engine_s": round(outside, 4),
-        "outside_engine_ratio": round(outside / phases["denoise"], 3)
-        if worked and phases["denoise"] > 0
-        else None,
+        "outside_engine_ratio": round(outside / denoise, 3) if worked and denoise > 0 else None,
     }
 
 

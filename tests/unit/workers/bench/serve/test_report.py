@@ -45,15 +45,22 @@ def test_summary_counts_hits_steps_and_phases() -> None:
         _obs(1, 2.0, reuse=ReuseKind.STAGE1, fraction=0.25),
         _obs(2, 0.5, reuse=ReuseKind.EXACT, fraction=0.0),
     ]
-    s = report.summarize(obs, start=10.0)
+    s = report.summarize(obs, start=10.0, publish_s=0.03)
     assert s["hits"] == 2 and s["reuse"]["exact"] == 1 and s["reuse"]["stage1"] == 1
     assert s["token_steps_computed"] == pytest.approx(4 + 1 + 0.0 * 4)
     assert s["makespan_s"] == pytest.approx(2.0) and s["throughput_rps"] == pytest.approx(1.5)
     phases = s["worker_phase_s"]
     assert s["worker_requests"] == 2  # the exact hit had no worker
-    assert phases["other"] == pytest.approx(0.55 - 0.51) and phases["publish"] == pytest.approx(0.1)
-    assert s["outside_engine_s"] == pytest.approx(0.01 + 0.02 + 0.05 + 0.03 + 0.04 + 0.1)
+    assert phases["other"] == pytest.approx(0.55 - 0.51) and phases["publish"] == pytest.approx(0.03)
+    assert phases["deliver"] == pytest.approx(0.1 - 0.03)  # the hop to the reader is latency, not worker time
+    assert s["outside_engine_s"] == pytest.approx(0.01 + 0.02 + 0.05 + 0.03 + 0.04 + 0.03)
     assert s["outside_engine_ratio"] == pytest.approx(s["outside_engine_s"] / 0.4, rel=1e-3)
+
+
+def test_without_the_workers_publish_time_it_is_left_out_not_guessed() -> None:
+    s = report.summarize([_obs(0, 1.0)], start=10.0)
+    assert s["worker_phase_s"]["publish"] is None and s["worker_phase_s"]["deliver"] == pytest.approx(0.1)
+    assert s["outside_engine_s"] == pytest.approx(0.01 + 0.02 + 0.05 + 0.03 + 0.04)
 
 
 def test_compare_divides_reuse_by_no_reuse() -> None:
