@@ -13,7 +13,9 @@ its expected saving is positive: with ``p`` the band's acceptance rate, an accep
 rejected one costs one, so the row applies while ``p * k1 >= (1 - p)`` (at 4 steps, k1 = 2: p >= 1/3; at 50 steps,
 k1 = 25: p >= 1/26). Recent outcomes weigh more (each new outcome in a band decays the band's earlier counts),
 from a prior of one accept and one reject. A closed band still lets one plan through every ``explore_every_s``,
-so that a change of traffic can reopen it (time, not a count: the planner asks once per candidate donor).
+so that a change of traffic can reopen it (time, not a count: the planner asks once per candidate donor); each
+exploration spent doubles the wait before the next, up to ``explore_max_s``, and a reopened band starts again
+from ``explore_every_s``, so a band that keeps rejecting costs a check every few minutes, not every few seconds.
 
 Only the checks of plans a verified row made teach the gate (the feedback knows them from the request's record):
 a same-prompt row's donor is checked too, and its accepts would open a band for the loose row it never tried.
@@ -39,7 +41,8 @@ class GateConfig:
     decay: float = 0.97  # per new outcome in the band: about the last 30 outcomes count
     prior_accepted: float = 1.0
     prior_rejected: float = 1.0
-    explore_every_s: float = 5.0  # a closed band still lets one plan through this often
+    explore_every_s: float = 5.0  # a closed band still lets one plan through this often …
+    explore_max_s: float = 160.0  # … doubling after each exploration that left it closed, up to this
 
 
 @dataclass
@@ -47,6 +50,7 @@ class _Band:
     accepted: float
     rejected: float
     explored_at: float = -math.inf
+    explorations: int = 0  # spent since the band last reopened
     open: bool = True
 
 
@@ -68,6 +72,12 @@ class VerifiedReuseGate:
             band = self._bands[key] = _Band(self.config.prior_accepted, self.config.prior_rejected)
         return key, band
 
+    def _explore_wait(self, band: _Band) -> float:
+        """Seconds between explorations of a closed band: the base interval, doubled per exploration after the
+        first since it last reopened, up to the cap."""
+        doublings = min(max(0, band.explorations - 1), 32)
+        return min(self.config.explore_every_s * 2.0**doublings, self.config.explore_max_s)
+
     def acceptance(self, model: str, regime: str, similarity: float) -> float:
         with self._lock:
             _, band = self._band(model, regime, similarity)
@@ -81,7 +91,7 @@ class VerifiedReuseGate:
             p = band.accepted / (band.accepted + band.rejected)
             if p * stage1_steps >= 1.0 - p:
                 return True
-            if self.clock() - band.explored_at >= self.config.explore_every_s:
+            if self.clock() - band.explored_at >= self._explore_wait(band):
                 return True  # explore: the only way a closed band learns that traffic changed
             self.refusals += 1  # a statistic only: per candidate donor, across every search that asked
             return False
@@ -93,6 +103,7 @@ class VerifiedReuseGate:
             p = band.accepted / (band.accepted + band.rejected)
             if p * stage1_steps < 1.0 - p:
                 band.explored_at = self.clock()
+                band.explorations += 1
 
     def record(self, model: str, regime: str, similarity: float, decision: str, stage1_steps: int) -> None:
         """A check's outcome (``VerificationReport.decision``); a shortened donor counts half accepted."""
@@ -105,6 +116,8 @@ class VerifiedReuseGate:
             band.rejected = band.rejected * self.config.decay + (1.0 - weight)
             p = band.accepted / (band.accepted + band.rejected)
             now_open = p * stage1_steps >= 1.0 - p
+            if now_open:
+                band.explorations = 0
             if now_open != band.open:
                 band.open = now_open
                 width = self.config.band_width
@@ -119,5 +132,6 @@ class VerifiedReuseGate:
                         "acceptance": round(p, 3),
                         "stage1_steps": stage1_steps,
                         "break_even": round(1.0 / (stage1_steps + 1), 3),
+                        "explore_every_s": self._explore_wait(band),
                     },
                 )

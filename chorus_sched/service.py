@@ -73,7 +73,12 @@ class Scheduler:
         self.publish = publish
         # Verified rows apply only while their donor checks pay (chorus_sched.reuse_gate), learned from results.
         self.gate = (
-            VerifiedReuseGate(GateConfig(explore_every_s=settings.verified_gate_explore_s))
+            VerifiedReuseGate(
+                GateConfig(
+                    explore_every_s=settings.verified_gate_explore_s,
+                    explore_max_s=max(settings.verified_gate_explore_s, settings.verified_gate_explore_max_s),
+                )
+            )
             if settings.verified_gate
             else None
         )

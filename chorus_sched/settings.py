@@ -72,6 +72,8 @@ class SchedulerSettings(KafkaSettings):
     # ones (chorus_sched.reuse_gate); a paused similarity band lets one plan through this often to notice change.
     verified_gate: bool = True
     verified_gate_explore_s: float = Field(default=5.0, gt=0, le=3600)
+    # Each exploration that leaves a band paused doubles its interval, up to this; reopening resets it.
+    verified_gate_explore_max_s: float = Field(default=160.0, gt=0, le=86400)
     # Local mode: keep the folder open between operations (opening reads every point) until another process
     # asks for it or it has been idle this long; 0 closes it after every operation.
     index_keep_open_s: float = Field(default=1.0, ge=0, le=600)

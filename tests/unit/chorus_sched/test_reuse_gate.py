@@ -50,6 +50,30 @@ def test_a_band_pauses_below_break_even_explores_and_reopens() -> None:
     assert gate.allows("toy", "few", 0.72, 2)
 
 
+def test_explorations_that_keep_a_band_closed_back_off_and_reopening_resets() -> None:
+    clock = Clock()
+    gate = VerifiedReuseGate(GateConfig(explore_every_s=5.0, explore_max_s=20.0), clock=clock)
+    _rejected_enough(gate)  # closed; its interval starts at 5 s
+
+    def explore_rejected() -> float:
+        waited = 0.0
+        while not gate.allows("toy", "few", 0.72, 2):
+            clock.now += 1.0
+            waited += 1.0
+        gate.chosen("toy", "few", 0.72, 2)
+        gate.record("toy", "few", 0.72, "rejected", stage1_steps=2)
+        return waited
+
+    assert [explore_rejected() for _ in range(5)] == [0.0, 5.0, 10.0, 20.0, 20.0]  # doubled, then capped
+    for _ in range(6):
+        gate.record("toy", "few", 0.72, "accepted", stage1_steps=2)
+    assert gate.allows("toy", "few", 0.72, 2)  # reopened
+    _rejected_enough(gate)
+    gate.chosen("toy", "few", 0.72, 2)
+    clock.now += 5.0
+    assert gate.allows("toy", "few", 0.72, 2)  # paused again: back to the first interval
+
+
 def test_band_edges_hold_under_binary_rounding() -> None:
     gate = VerifiedReuseGate()
     _rejected_enough(gate, similarity=0.70)  # 0.70 / 0.05 is 13.999999999999998 in floating point
