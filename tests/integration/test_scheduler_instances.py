@@ -182,5 +182,12 @@ def _check_two_instances(stack: EmbeddedStack) -> None:
         if len(letters) == 3:
             break
     consumer.close()
-    assert sorted(dl.raw() for dl in letters) == sorted([b"{not json", b'{"prompt": ""}', b"\xff"])
+    # what the schedulers said about dead letters, for a failure to be read without the run's state folder
+    said = [
+        line
+        for process in stack.schedulers
+        for line in process.log_path.read_text(errors="replace").splitlines()
+        if "dead-letter" in line
+    ]
+    assert sorted(dl.raw() for dl in letters) == sorted([b"{not json", b'{"prompt": ""}', b"\xff"]), said
     assert len({(dl.partition, dl.offset) for dl in letters}) == 3

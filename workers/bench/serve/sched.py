@@ -52,22 +52,15 @@ from producer.local.standins import EmbeddedService, start_service
 from producer.orders import EvictOrder, WorkOrder, trajectory_prefix
 from workers.bench.serve import report, trace
 from workers.bench.serve.replay import Shape, requests_for
-from workers.bench.serve.sched_direct import profile_direct
+from workers.bench.serve.sched_direct import PHASES, phase_ms, profile_direct
 
 FORMAT = "chorus-bench-sched/1"
 Handler = Callable[[Sequence[Message]], BatchOutcome]
 SHAPE = Shape("toy", 4)
-# Where the profile's time goes, by the scheduler function that owns it (cumulative time; nested phases are
-# listed by their innermost owner, so the phases do not double count: see ``_phases``).
-PHASE_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "validate": ("parse_keyed_request",),
-    "claim": ("begin",),
-    "exact": ("admit",),
-    "embed": ("_embed_requests",),
-    "search": ("_candidates",),
-    "plan": ("plan",),
-    "dispatch": ("_record_dispatch", "generate"),
-    "feedback": ("handle_results",),
+# The backlog report's phases: the direct measurement's, under the names this report has always used.
+PHASE_FUNCTIONS = {
+    {"embed_request": "embed", "results": "feedback"}.get(phase, phase): functions
+    for phase, functions in PHASES.items()
 }
 
 
@@ -393,15 +386,7 @@ def _profile_summary(
         return {}, []
     raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = merged.stats  # type: ignore[attr-defined]
     total = sum(tt for (_, _, tt, _, _) in raw.values())
-    phases = {
-        phase: round(
-            sum(ct for (path, _, func), (_, _, _, ct, _) in raw.items() if func in names and _ours(path))
-            / handled
-            * 1000,
-            3,
-        )
-        for phase, names in PHASE_FUNCTIONS.items()
-    }
+    phases = phase_ms(raw, handled, PHASE_FUNCTIONS)
     phases["all_handlers"] = round(total / handled * 1000, 3)
     out = io.StringIO()
     merged.stream = out  # type: ignore[attr-defined]
@@ -409,7 +394,3 @@ def _profile_summary(
     lines = [ln.rstrip() for ln in out.getvalue().splitlines() if ln.strip()]
     start = next((i for i, ln in enumerate(lines) if "ncalls" in ln), 0)
     return phases, lines[start:]
-
-
-def _ours(path: str) -> bool:
-    return "site-packages" not in path and any(p in path for p in ("chorus_sched", "producer", "workers"))

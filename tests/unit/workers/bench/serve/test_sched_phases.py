@@ -1,0 +1,37 @@
+"""The scheduler benchmark's phase table: each phase's time counted once, in our modules only."""
+
+from __future__ import annotations
+
+from workers.bench.serve.sched import PHASE_FUNCTIONS
+from workers.bench.serve.sched_direct import PHASES, phase_ms
+
+
+def _entry(cumulative_s: float) -> tuple[int, int, float, float, dict[object, object]]:
+    return (1, 1, 0.0, cumulative_s, {})
+
+
+def test_a_wrapper_of_the_same_name_is_not_counted_again() -> None:
+    raw = {
+        ("/src/chorus_sched/service.py", 135, "handle_results"): _entry(0.5),  # wraps feedback's
+        ("/src/chorus_sched/feedback.py", 59, "handle_results"): _entry(0.5),
+        ("/src/chorus_sched/planner.py", 278, "plan"): _entry(0.2),
+        ("/src/workers/bench/calibrate.py", 187, "plan"): _entry(9.0),  # another module's plan
+        ("/venv/site-packages/chorus_sched/feedback.py", 59, "handle_results"): _entry(9.0),
+    }
+    phases = phase_ms(raw, 100, PHASES)
+    assert phases["results"] == 5.0
+    assert phases["plan"] == 2.0
+    assert phases["validate"] == 0.0
+
+
+def test_the_backlog_report_keeps_its_phase_names() -> None:
+    assert set(PHASE_FUNCTIONS) == {
+        "validate",
+        "claim",
+        "exact",
+        "embed",
+        "search",
+        "plan",
+        "dispatch",
+        "feedback",
+    }
