@@ -184,7 +184,9 @@ def bench_sched(
         return
     lat, sus = report["latency"], report["sustained"]
     err.print(
-        f"added latency at {lat['rate']:g}/s: p50 {lat['added_ms']['p50']} ms, p99 {lat['added_ms']['p99']} ms; "
+        f"added latency at {lat['rate']:g}/s: p50 {lat['added_ms']['p50']} ms, p99 {lat['added_ms']['p99']} ms "
+        f"(in the scheduler p99 {lat['in_scheduler_ms']['p99']} ms; the broker alone p99 "
+        f"{report['broker']['delivery_ms']['p99']} ms); "
         f"sustained {sus['rate']} requests/s ({sus['one_core_capacity']} on one core by CPU time); "
         f"direct: {report['direct']['cpu_ms_per_request']} CPU ms per request, by phase (wall ms): "
         f"{report['direct']['profile_wall_ms_per_request']}"

@@ -11,17 +11,21 @@ First the handlers alone (``workers.bench.serve.sched_direct``: called directly,
 two measurements through Kafka (``--core N`` pins the process to one core with ``os.sched_setaffinity``; the broker helper
 keeps its own):
 
-1. **latency** at a fixed open-loop rate (default 100 requests/s): the added latency of each dispatched request,
-   from the bench handing it to its Kafka producer to the scheduler's order reaching the dispatcher
-   (consume, parse and validate, claim, exact-hit check, embed, search, plan, dispatch);
+1. **latency** at a fixed open-loop rate (default 100 requests/s), published from a process of its own
+   (``workers.bench.serve.pacer``): the added latency of each dispatched request, from the publisher handing it
+   to its Kafka producer to the scheduler's order reaching the dispatcher (``added_ms``), and the part of it
+   spent in the scheduler, from the poll that read it reaching the handler to its order's dispatch
+   (``in_scheduler_ms``: parse and validate, claim, exact-hit check, embed, search, plan, dispatch, and waiting
+   behind the requests of the same poll). Before the scheduler starts, the same traffic through the same
+   broker to a bare consumer (``broker``) gives what the Kafka path alone adds;
 2. **sustained rate**: a backlog of requests published before the scheduler reads them, drained as fast as it can;
    the rate is requests handled per second of draining. On a machine other work shares, that wall-clock rate
    says as much about the other work as about the scheduler, so the CPU time of the two consumer threads
    (``/proc/self/task/<tid>/stat``: polls, handlers, commits) is read too: ``cpu_ms_per_request``, and its
    inverse, ``one_core_capacity`` (requests per second one core could sustain). A second backlog (the trace
-   at the next seed) is drained under ``cProfile`` (thread CPU time, both consumer threads' handlers) for the
-   CPU milliseconds per request of each scheduler phase and the top functions; the profiler's own cost
-   inflates those (``profiled_cpu_ms_per_request`` against ``cpu_ms_per_request`` says by how much).
+   at the next seed) is drained under ``cProfile`` (both consumer threads' handlers, wall clock) for the
+   milliseconds per request of each scheduler phase and the top functions; the profiler's own cost inflates
+   those (``profiled_cpu_ms_per_request`` against ``cpu_ms_per_request`` says by how much).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,7 @@ from producer.local.config import MOCK_KAFKA_API_VERSION
 from producer.local.standins import EmbeddedService, start_service
 from producer.orders import EvictOrder, WorkOrder, trajectory_prefix
 from workers.bench.serve import report, trace
+from workers.bench.serve.pacer import publish_paced
 from workers.bench.serve.replay import Shape, requests_for
 from workers.bench.serve.sched_direct import PHASES, phase_ms, profile_direct
 
@@ -146,6 +151,7 @@ class _Harness:
     workers: InstantWorkers
     profiles: dict[str, cProfile.Profile]
     profiling: threading.Event
+    polled: dict[str, float] = field(default_factory=dict)  # request id → when its poll reached the handler
     requests_before: int = 0
     results_before: int = 0
 
@@ -156,11 +162,17 @@ class _Harness:
 
     def profiled(self, name: str, handle: Handler) -> Handler:
         """``handle`` profiled while ``profiling`` is set (cProfile sees only the thread that enables it)."""
-        # Thread CPU time, not wall time: time spent waiting for a core another process holds is not the
-        # scheduler's cost.
-        profile = self.profiles[name] = cProfile.Profile(time.thread_time)
+        # Wall clock: with thread CPU time as its timer, cProfile attributed several times the threads' measured
+        # CPU time to long C calls (MiniLM's graph, SQLite's commits) in some runs. Wall time also counts what
+        # a handler waits for (the interpreter lock, a commit's fsync), which is what a backlog waits for too.
+        profile = self.profiles[name] = cProfile.Profile(time.perf_counter)
 
         def wrapped(messages: Sequence[Message]) -> BatchOutcome:
+            if name == "requests":
+                now = time.monotonic()
+                for m in messages:
+                    if m.key is not None:
+                        self.polled.setdefault(m.key.decode(errors="replace"), now)
             if not self.profiling.is_set():
                 return handle(messages)
             profile.enable()
@@ -180,6 +192,7 @@ def run_sched(options: SchedOptions, say: Callable[[str], None]) -> dict[str, An
     core = _pin(options.core) if options.core is not None else None
     direct = profile_direct(root / "direct", options.direct_requests, options.seed, say)
     try:
+        broker = _broker_baseline(_settings(root, kafka), options)
         with _scheduler(root, kafka) as harness:
             where = f"on core {core}" if core is not None else "(not pinned)"
             say(f"scheduler up {where}; {options.latency_requests} requests at {options.rate:g}/s")
@@ -196,6 +209,7 @@ def run_sched(options: SchedOptions, say: Callable[[str], None]) -> dict[str, An
         "embedder": harness.settings.embedder,
         "direct": direct,
         "latency": latency,
+        "broker": broker,
         "sustained": sustained,
     }
 
@@ -228,15 +242,19 @@ def loop_cpu_s() -> float:
     return total
 
 
-@contextlib.contextmanager
-def _scheduler(root: Path, kafka: EmbeddedService) -> Iterator[_Harness]:
-    settings = SchedulerSettings(
+def _settings(root: Path, kafka: EmbeddedService) -> SchedulerSettings:
+    return SchedulerSettings(
         state_dir=root,
         kafka_bootstrap=kafka.address,
         kafka_api_version=MOCK_KAFKA_API_VERSION,
         kafka_metadata_max_age_ms=1000,
         instance_id="bench-sched",
     )
+
+
+@contextlib.contextmanager
+def _scheduler(root: Path, kafka: EmbeddedService) -> Iterator[_Harness]:
+    settings = _settings(root, kafka)
     _create_topics(settings)
     workers = InstantWorkers(settings)
     scheduler, close = build_scheduler(settings, dispatcher=workers)
@@ -285,43 +303,78 @@ def _requests(options: SchedOptions, n: int, tag: str) -> list[GenerationRequest
 def _latency(harness: _Harness, options: SchedOptions) -> dict[str, Any]:
     requests = _requests(options, options.latency_requests, "lat")
     harness.mark()
-    producer = bus.make_producer(harness.settings, linger_ms=0)
-    sent: dict[str, float] = {}
-    start = time.monotonic()
-    try:
-        for i, request in enumerate(requests):
-            due = start + i / options.rate
-            time.sleep(max(0.0, due - time.monotonic()))
-            value = request.model_copy(update={"submitted_at": _now()}).to_bytes()
-            sent[request.request_id] = time.monotonic()
-            producer.send(harness.settings.kafka_requests_topic, key=request.request_id.encode(), value=value)
-        producer.flush(timeout=30)
-    finally:
-        producer.close(timeout=5)
-    offered_s = time.monotonic() - start
+    sent_at, offered_s = publish_paced(
+        harness.settings,
+        harness.settings.kafka_requests_topic,
+        [(r.request_id.encode(), r.to_bytes()) for r in requests],
+        options.rate,
+    )
+    sent = {key.decode(): at for key, at in sent_at.items()}
     _wait_settled(harness, requests, timeout_s=600)
-    added = [harness.workers.dispatched[r] - sent[r] for r in sent if r in harness.workers.dispatched]
-    ms = [a * 1000 for a in added]
+    dispatched = harness.workers.dispatched
+    ms = [(dispatched[r] - sent[r]) * 1000 for r in sent if r in dispatched]
+    inside = [
+        (dispatched[r] - harness.polled[r]) * 1000 for r in sent if r in dispatched and r in harness.polled
+    ]
     return {
         "rate": options.rate,
         "offered_rate": round(len(requests) / offered_s, 1),
         "requests": len(requests),
-        "dispatched": len(added),
-        "answered_without_order": len(requests) - len(added),
-        "added_ms": {f"p{q}": round(report.percentile(ms, q), 2) for q in (50, 95, 99)}
-        | {"max": round(max(ms, default=float("nan")), 2)},
+        "dispatched": len(ms),
+        "answered_without_order": len(requests) - len(ms),
+        "added_ms": _quantiles(ms),
+        "in_scheduler_ms": _quantiles(inside),
     }
+
+
+def _quantiles(ms: Sequence[float]) -> dict[str, float]:
+    return {f"p{q}": round(report.percentile(ms, q), 2) for q in (50, 95, 99)} | {
+        "max": round(max(ms, default=float("nan")), 2)
+    }
+
+
+def _broker_baseline(settings: SchedulerSettings, options: SchedOptions) -> dict[str, Any]:
+    """What the Kafka path alone adds at the latency pass's rate: published → handed to a consumer of its own
+    group on a topic of its own, same client settings, no scheduler. The embedded broker (librdkafka's mock
+    cluster) answers a fetch only when ``fetch_max_wait_ms`` runs out, data or not, so this is most of
+    ``added_ms`` at light load; a real broker answers as soon as data arrives."""
+    topic = "chorus-bench-probe"
+    consumer = bus.make_consumer(settings, [topic], group_id="chorus-bench-probe", auto_offset_reset="latest")
+    received: dict[bytes, float] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while not consumer.assignment() and time.monotonic() < deadline:
+            consumer.poll(timeout_ms=100)
+        stop = threading.Event()
+
+        def consume() -> None:
+            while not stop.is_set():
+                for records in consumer.poll(timeout_ms=settings.poll_timeout_ms).values():
+                    now = time.monotonic()
+                    for record in records:
+                        received[record.key] = now
+                    consumer.commit()
+
+        reader = threading.Thread(target=consume, name="bench-probe", daemon=True)
+        reader.start()
+        messages = [(f"probe-{i}".encode(), b"x" * 300) for i in range(options.latency_requests)]
+        sent, _ = publish_paced(settings, topic, messages, options.rate)
+        settle = time.monotonic() + 10
+        while len(received) < len(sent) and time.monotonic() < settle:
+            time.sleep(0.05)
+        stop.set()
+        reader.join(timeout=10)
+    finally:
+        consumer.close()
+    ms = [(received[k] - t) * 1000 for k, t in sent.items() if k in received]
+    return {"messages": len(sent), "received": len(ms), "delivery_ms": _quantiles(ms)}
 
 
 def _sustained(harness: _Harness, options: SchedOptions) -> dict[str, Any]:
     """A backlog drained as fast as the scheduler can: requests per second and CPU per request, unprofiled; then
     another backlog (other prompts, so no exact hits on the first) drained under the profiler for where the time
     goes. cProfile's hooks cost more than the scheduler's own Python on short calls (word alignments, planner
-    rows), so a profiled drain overstates the cost per request: its CPU time is reported apart. With two
-    consumer threads profiled at once, cProfile has also been seen to attribute several times the threads' CPU
-    time to long C calls (MiniLM's, SQLite's commits): ``all_handlers`` (the profile's total) far above
-    ``profiled_cpu_ms_per_request`` marks such a run, whose phases are then not to be read as milliseconds; the
-    direct measurement's profile (one thread) is the breakdown to trust."""
+    rows), so a profiled drain overstates the cost per request: its CPU time is reported apart."""
     measured = _drain(harness, _requests(options, options.backlog, "bl"), profiled=False)
     requests = _requests(replace(options, seed=options.seed + 1), options.backlog, "blp")
     profiled = _drain(harness, requests, profiled=True)
