@@ -148,7 +148,7 @@ def test_minilm_direct_pipeline_gives_the_packages_vectors() -> None:
         "ein rotes Quadrat",
         "",
     ] * 3
-    embedder = MiniLMEmbedder(batch_size=5)  # batches of unequal padding, split across calls
+    embedder = MiniLMEmbedder(batch_size=5)  # batches of unequal padding, split across graph calls
     direct = np.asarray(embedder.embed(prompts))
     assert embedder._graph is not None
     reference = embedder._load().encode(prompts, normalize_embeddings=True, convert_to_numpy=True)

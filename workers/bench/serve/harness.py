@@ -123,6 +123,7 @@ def run_serve(
     )
     started, started_at = time.monotonic(), datetime.now(UTC)
     load_before = os.getloadavg()
+    probe_before = report.speed_probe_ms()
     say(f"starting the embedded stack in {stack_options.state_dir}")
     entries: list[dict[str, Any]] = []
     with EmbeddedStack(stack_options) as stack:
@@ -144,6 +145,7 @@ def run_serve(
             "cores": os.cpu_count(),
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "speed_probe_ms": [probe_before, report.speed_probe_ms()],  # before, after: lower is faster
         },
         "stack": {"workers": 1, "worker_concurrency": 1, "schedulers": 1, "video_format": "mp4"},
         "state_dir": None if options.state_dir is None and ok else str(root),

@@ -23,6 +23,7 @@ per request by phase for the requests a worker ran (exact hits have none):
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,16 @@ from workers.bench.serve.replay import Observation
 
 PHASES = ("queue", "prepare", "fetch", "denoise", "decode", "upload", "other", "deliver")
 OUTSIDE = ("prepare", "fetch", "decode", "upload", "other", "publish")
+
+
+def speed_probe_ms(iterations: int = 1_000_000) -> float:
+    """CPU milliseconds a fixed pure-Python loop takes now: this machine's speed drifts by ±20% within minutes
+    (a shared host), so reports carry it, taken before and after, to compare runs by."""
+    start = time.process_time()
+    total = 0
+    for i in range(iterations):
+        total += i * i
+    return round((time.process_time() - start) * 1000, 1)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

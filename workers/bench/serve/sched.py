@@ -188,6 +188,7 @@ def run_sched(options: SchedOptions, say: Callable[[str], None]) -> dict[str, An
     root = options.state_dir or Path(tempfile.mkdtemp(prefix="chorus-sched-"))
     root.mkdir(parents=True, exist_ok=True)
     # Started before pinning: the broker keeps a core of its own.
+    probe_before = report.speed_probe_ms()
     kafka = start_service("kafka", log_path=root / "kafka.log")
     core = _pin(options.core) if options.core is not None else None
     direct = profile_direct(root / "direct", options.direct_requests, options.seed, say)
@@ -205,7 +206,12 @@ def run_sched(options: SchedOptions, say: Callable[[str], None]) -> dict[str, An
         shutil.rmtree(root, ignore_errors=True)
     return {
         "format": FORMAT,
-        "machine": {"cores": os.cpu_count(), "pinned_core": core, "load_average": list(os.getloadavg())},
+        "machine": {
+            "cores": os.cpu_count(),
+            "pinned_core": core,
+            "load_average": list(os.getloadavg()),
+            "speed_probe_ms": [probe_before, report.speed_probe_ms()],  # before, after: lower is faster
+        },
         "embedder": harness.settings.embedder,
         "direct": direct,
         "latency": latency,

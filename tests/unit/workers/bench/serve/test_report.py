@@ -68,3 +68,9 @@ def test_compare_divides_reuse_by_no_reuse() -> None:
     slow = report.summarize([_obs(0, 2.0)], start=10.0)
     c = report.compare(fast, slow)
     assert c["throughput_ratio"] == pytest.approx(2.0) and c["latency_ratio"]["p50"] == pytest.approx(0.5)
+
+
+def test_the_speed_probe_times_more_work_as_longer() -> None:
+    from workers.bench.serve.report import speed_probe_ms
+
+    assert 0 < speed_probe_ms(20_000) < speed_probe_ms(2_000_000)
