@@ -41,6 +41,7 @@ def test_the_kafka_passes_split_the_added_latency_and_drain_both_backlogs() -> N
     assert latency["in_scheduler_ms"]["p50"] <= latency["added_ms"]["p50"]
     assert broker["received"] == broker["messages"] == 24
     assert 0 < broker["delivery_ms"]["p50"] < 10_000
+    assert broker["busy"]["messages"] == 24 and broker["busy"]["records_per_poll"] >= 1
     assert sustained["handled"] == sustained["requests"] == 24
     assert sustained["cpu_ms_per_request"] > 0 and sustained["profiled_cpu_ms_per_request"] > 0
     assert sustained["ms_per_request"]["embed"] > 0 and sustained["top_functions"]

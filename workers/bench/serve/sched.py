@@ -37,6 +37,7 @@ import os
 import pstats
 import queue
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -152,6 +153,7 @@ class _Harness:
     profiles: dict[str, cProfile.Profile]
     profiling: threading.Event
     polled: dict[str, float] = field(default_factory=dict)  # request id → when its poll reached the handler
+    poll_sizes: list[int] = field(default_factory=list)  # requests per poll handed to the handler
     requests_before: int = 0
     results_before: int = 0
 
@@ -169,6 +171,7 @@ class _Harness:
 
         def wrapped(messages: Sequence[Message]) -> BatchOutcome:
             if name == "requests":
+                self.poll_sizes.append(len(messages))
                 now = time.monotonic()
                 for m in messages:
                     if m.key is not None:
@@ -339,14 +342,28 @@ def _quantiles(ms: Sequence[float]) -> dict[str, float]:
     }
 
 
+# Per poll of the broker baseline's busy consumer: about what the scheduler spends on a poll at 100 requests/s.
+BUSY_WORK_S = 0.02
+
+
 def _broker_baseline(settings: SchedulerSettings, options: SchedOptions) -> dict[str, Any]:
     """What the Kafka path alone adds at the latency pass's rate: published → handed to a consumer of its own
-    group on a topic of its own, same client settings, no scheduler. The embedded broker (librdkafka's mock
-    cluster) answers a fetch only when ``fetch_max_wait_ms`` runs out, data or not, so this is most of
-    ``added_ms`` at light load; a real broker answers as soon as data arrives."""
-    topic = "chorus-bench-probe"
-    consumer = bus.make_consumer(settings, [topic], group_id="chorus-bench-probe", auto_offset_reset="latest")
+    group on a topic of its own, same client settings, no scheduler; then again with a consumer that spends
+    ``BUSY_WORK_S`` after each poll, as a scheduler does. The embedded broker (librdkafka's mock cluster) holds a
+    fetch until ``fetch_max_wait_ms`` runs out and answers with at most one producer batch per partition (its
+    Fetch handler's "FIXME: Multiple messageSets"), so a consumer that works between polls reads a few records
+    per round trip and falls behind; a real broker answers as soon as data arrives, with all of it."""
+    idle = _broker_pass(settings, options, "chorus-bench-probe", work_s=0.0)
+    busy = _broker_pass(settings, options, "chorus-bench-probe-busy", work_s=BUSY_WORK_S)
+    return idle | {"busy": {"work_ms_per_poll": BUSY_WORK_S * 1000} | busy}
+
+
+def _broker_pass(
+    settings: SchedulerSettings, options: SchedOptions, topic: str, *, work_s: float
+) -> dict[str, Any]:
+    consumer = bus.make_consumer(settings, [topic], group_id=topic, auto_offset_reset="latest")
     received: dict[bytes, float] = {}
+    polls: list[int] = []
     try:
         deadline = time.monotonic() + 60
         while not consumer.assignment() and time.monotonic() < deadline:
@@ -355,17 +372,21 @@ def _broker_baseline(settings: SchedulerSettings, options: SchedOptions) -> dict
 
         def consume() -> None:
             while not stop.is_set():
-                for records in consumer.poll(timeout_ms=settings.poll_timeout_ms).values():
-                    now = time.monotonic()
+                batch = consumer.poll(timeout_ms=settings.poll_timeout_ms)
+                now = time.monotonic()
+                for records in batch.values():
                     for record in records:
                         received[record.key] = now
+                if batch:
+                    polls.append(sum(len(records) for records in batch.values()))
                     consumer.commit()
+                    time.sleep(work_s)
 
         reader = threading.Thread(target=consume, name="bench-probe", daemon=True)
         reader.start()
         messages = [(f"probe-{i}".encode(), b"x" * 300) for i in range(options.latency_requests)]
         sent, _ = publish_paced(settings, topic, messages, options.rate)
-        settle = time.monotonic() + 10
+        settle = time.monotonic() + 30
         while len(received) < len(sent) and time.monotonic() < settle:
             time.sleep(0.05)
         stop.set()
@@ -373,7 +394,12 @@ def _broker_baseline(settings: SchedulerSettings, options: SchedOptions) -> dict
     finally:
         consumer.close()
     ms = [(received[k] - t) * 1000 for k, t in sent.items() if k in received]
-    return {"messages": len(sent), "received": len(ms), "delivery_ms": _quantiles(ms)}
+    return {
+        "messages": len(sent),
+        "received": len(ms),
+        "records_per_poll": round(statistics.mean(polls), 2) if polls else 0.0,
+        "delivery_ms": _quantiles(ms),
+    }
 
 
 def _sustained(harness: _Harness, options: SchedOptions) -> dict[str, Any]:
@@ -398,7 +424,10 @@ def _drain(harness: _Harness, requests: Sequence[GenerationRequest], *, profiled
     before = stats.requests
     if profiled:
         harness.profiling.set()
-    producer = bus.make_producer(harness.settings)
+    polls_before = len(harness.poll_sizes)
+    # Big producer batches: the embedded broker answers a fetch with one producer batch per partition, so a
+    # backlog sent record by record would be read a few records per round trip, which a real broker does not do.
+    producer = bus.make_producer(harness.settings, linger_ms=100, batch_size=1 << 20)
     cpu_before = loop_cpu_s()
     start = time.monotonic()
     try:
@@ -423,6 +452,9 @@ def _drain(harness: _Harness, requests: Sequence[GenerationRequest], *, profiled
         "wall_ms_per_request": round(drain_s / handled * 1000, 3) if handled else None,
         "cpu_ms_per_request": round(cpu_s / handled * 1000, 3) if handled else None,
         "one_core_capacity": round(handled / cpu_s, 1) if cpu_s > 0 else None,
+        "requests_per_poll": round(statistics.mean(sizes), 1)
+        if (sizes := harness.poll_sizes[polls_before:])
+        else 0,
     }
 
 
