@@ -301,22 +301,35 @@ class Intake:
         by_prompt = dict(zip(prompts, self.embedder.embed(prompts), strict=True))
         return {r.job_id: by_prompt[r.prompt] for r in wanted}
 
-    def _candidates(self, vector: list[float], compat: str, tenant: str | None) -> list[Candidate]:
-        hits = self.index.search(
-            vector,
-            compat_key=compat,
-            tenant=tenant,
-            limit=self.settings.search_limit,
-            status=DonorStatus.READY,
+    def _candidate_sets(
+        self, vector: list[float], compat: str, tenant: str | None
+    ) -> tuple[list[Candidate], list[Candidate]]:
+        """(the candidates ``tenant`` may use, everyone's); ``tenant=None``: the two are everyone's.
+
+        Everyone's nearest entries of a status are searched first; when they all belong to the tenant they are
+        also its own nearest (its entries are a subset of everyone's), so the usual single-tenant traffic costs
+        one search per status, not two.
+        """
+        statuses = (
+            (DonorStatus.READY, DonorStatus.RUNNING) if self.settings.grouping else (DonorStatus.READY,)
         )
-        if self.settings.grouping:
-            hits += self.index.search(
-                vector,
-                compat_key=compat,
-                tenant=tenant,
-                limit=self.settings.search_limit,
-                status=DonorStatus.RUNNING,
-            )
+        own: list[Candidate] = []
+        everyone: list[Candidate] = []
+        for status in statuses:
+            found = self._search(vector, compat, None, status)
+            everyone += found
+            if tenant is None or all(c.tenant == tenant for c in found):
+                own += found
+            else:
+                own += self._search(vector, compat, tenant, status)
+        return own, everyone
+
+    def _search(
+        self, vector: list[float], compat: str, tenant: str | None, status: DonorStatus
+    ) -> list[Candidate]:
+        hits = self.index.search(
+            vector, compat_key=compat, tenant=tenant, limit=self.settings.search_limit, status=status
+        )
         return [
             Candidate(
                 request_id=h.entry.request_id,
@@ -336,30 +349,28 @@ class Intake:
             return decide(request, [], self.planner, grouping=False)
         compat = request.compatibility_key
         cross = self.settings.cross_tenant_reuse
-        candidates = self._candidates(vector, compat, None if cross else request.tenant)
+        candidates, everyone = self._candidate_sets(vector, compat, None if cross else request.tenant)
         if request.keep_seed:  # its video must be its own seed's sample: only donors made with that seed
             candidates = [c for c in candidates if c.seed == request.seed]
         decision = decide(request, candidates, self.planner, grouping=self.settings.grouping)
         blocked = False
-        if not cross:
-            everyone = self._candidates(vector, compat, None)
-            if any(c.tenant != request.tenant for c in everyone):
-                unrestricted = decide(request, everyone, self.planner, grouping=self.settings.grouping)
-                gain = blocked_gain(request.tenant, decision, unrestricted)
-                if gain > 0 and unrestricted.donor is not None:
-                    blocked = True
-                    self.stats.cross_tenant_blocked += 1
-                    log.info(
-                        "a better donor of another tenant was not used (cross-tenant reuse is off)",
-                        extra={
-                            "request_id": request.request_id,
-                            "tenant": request.tenant,
-                            "blocked_donor": unrestricted.donor.request_id,
-                            "blocked_tenant": unrestricted.donor.tenant,
-                            "blocked_similarity": round(unrestricted.donor.similarity, 4),
-                            "steps_forgone_estimate": gain,
-                        },
-                    )
+        if not cross and any(c.tenant != request.tenant for c in everyone):
+            unrestricted = decide(request, everyone, self.planner, grouping=self.settings.grouping)
+            gain = blocked_gain(request.tenant, decision, unrestricted)
+            if gain > 0 and unrestricted.donor is not None:
+                blocked = True
+                self.stats.cross_tenant_blocked += 1
+                log.info(
+                    "a better donor of another tenant was not used (cross-tenant reuse is off)",
+                    extra={
+                        "request_id": request.request_id,
+                        "tenant": request.tenant,
+                        "blocked_donor": unrestricted.donor.request_id,
+                        "blocked_tenant": unrestricted.donor.tenant,
+                        "blocked_similarity": round(unrestricted.donor.similarity, 4),
+                        "steps_forgone_estimate": gain,
+                    },
+                )
         METRICS.count_lookup(decision, cross_tenant_blocked=blocked)
         return decision
 

@@ -40,7 +40,7 @@ PHASES: dict[str, tuple[tuple[str, str], ...]] = {
     "claim": (("ledger_sqlite.py", "begin"), ("ledger_redis.py", "begin")),
     "exact": (("exact.py", "admit"),),
     "embed_request": (("intake.py", "_embed_requests"),),
-    "search": (("intake.py", "_candidates"),),
+    "search": (("intake.py", "_candidate_sets"),),
     "plan": (("planner.py", "plan"),),
     "dispatch": (
         ("intake.py", "_record_dispatch"),
