@@ -105,8 +105,9 @@ class InstantWorkers(Dispatcher):
                     steps_requested=request.num_steps,
                     tokens_computed_fraction=1.0,
                 )
+                # Not flushed one by one: results then leave in the producer's batches (5 ms linger), which the
+                # embedded broker hands out one per partition per fetch, as a real broker hands out all it has.
                 producer.send(self.settings.kafka_results_topic, key=job.encode(), value=result.to_bytes())
-                producer.flush()
                 self._orders.task_done()
         finally:
             producer.close(timeout=5)
@@ -154,6 +155,7 @@ class _Harness:
     profiling: threading.Event
     polled: dict[str, float] = field(default_factory=dict)  # request id → when its poll reached the handler
     poll_sizes: list[int] = field(default_factory=list)  # requests per poll handed to the handler
+    result_poll_sizes: list[int] = field(default_factory=list)  # results per poll handed to feedback
     requests_before: int = 0
     results_before: int = 0
 
@@ -170,6 +172,8 @@ class _Harness:
         profile = self.profiles[name] = cProfile.Profile(time.perf_counter)
 
         def wrapped(messages: Sequence[Message]) -> BatchOutcome:
+            if name == "results":
+                self.result_poll_sizes.append(len(messages))
             if name == "requests":
                 self.poll_sizes.append(len(messages))
                 now = time.monotonic()
@@ -336,6 +340,10 @@ def _latency(harness: _Harness, options: SchedOptions) -> dict[str, Any]:
     }
 
 
+def _mean(values: Sequence[int]) -> float:
+    return round(statistics.mean(values), 1) if values else 0.0
+
+
 def _quantiles(ms: Sequence[float]) -> dict[str, float]:
     return {f"p{q}": round(report.percentile(ms, q), 2) for q in (50, 95, 99)} | {
         "max": round(max(ms, default=float("nan")), 2)
@@ -424,7 +432,7 @@ def _drain(harness: _Harness, requests: Sequence[GenerationRequest], *, profiled
     before = stats.requests
     if profiled:
         harness.profiling.set()
-    polls_before = len(harness.poll_sizes)
+    polls_before, result_polls_before = len(harness.poll_sizes), len(harness.result_poll_sizes)
     # Big producer batches: the embedded broker answers a fetch with one producer batch per partition, so a
     # backlog sent record by record would be read a few records per round trip, which a real broker does not do.
     producer = bus.make_producer(harness.settings, linger_ms=100, batch_size=1 << 20)
@@ -452,9 +460,8 @@ def _drain(harness: _Harness, requests: Sequence[GenerationRequest], *, profiled
         "wall_ms_per_request": round(drain_s / handled * 1000, 3) if handled else None,
         "cpu_ms_per_request": round(cpu_s / handled * 1000, 3) if handled else None,
         "one_core_capacity": round(handled / cpu_s, 1) if cpu_s > 0 else None,
-        "requests_per_poll": round(statistics.mean(sizes), 1)
-        if (sizes := harness.poll_sizes[polls_before:])
-        else 0,
+        "requests_per_poll": _mean(harness.poll_sizes[polls_before:]),
+        "results_per_poll": _mean(harness.result_poll_sizes[result_polls_before:]),
     }
 
 
