@@ -17,6 +17,12 @@ so that a change of traffic can reopen it (time, not a count: the planner asks o
 exploration spent doubles the wait before the next, up to ``explore_max_s``, and a reopened band starts again
 from ``explore_every_s``, so a band that keeps rejecting costs a check every few minutes, not every few seconds.
 
+Checks still in flight count as rejected until they answer. A band with no history would otherwise admit every
+plan of a burst before the first check came back (``--trace fresh`` in a closed loop: 17 of 48 requests threw a
+check away before the gate heard of any); counted this way, a new band lets two plans through at k1 = 2 of 4 and
+waits for their outcomes, while a band whose checks have been accepting keeps going. A dispatched plan whose
+outcome never arrives (its result lost, or no check made) stops counting after ``pending_ttl_s``.
+
 Only the checks of plans a verified row made teach the gate (the feedback knows them from the request's record):
 a same-prompt row's donor is checked too, and its accepts would open a band for the loose row it never tried.
 ``allows`` has no side effect — the planner asks for every candidate, including ones that lose the ranking and
@@ -30,7 +36,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,7 @@ class GateConfig:
     prior_rejected: float = 1.0
     explore_every_s: float = 5.0  # a closed band still lets one plan through this often …
     explore_max_s: float = 160.0  # … doubling after each exploration that left it closed, up to this
+    pending_ttl_s: float = 120.0  # a dispatched check not heard of in this long no longer counts as in flight
 
 
 @dataclass
@@ -52,6 +59,7 @@ class _Band:
     explored_at: float = -math.inf
     explorations: int = 0  # spent since the band last reopened
     open: bool = True
+    pending: list[float] = field(default_factory=list)  # when each check still in flight was dispatched
 
 
 class VerifiedReuseGate:
@@ -83,39 +91,51 @@ class VerifiedReuseGate:
             _, band = self._band(model, regime, similarity)
             return band.accepted / (band.accepted + band.rejected)
 
+    def _in_flight(self, band: _Band) -> int:
+        horizon = self.clock() - self.config.pending_ttl_s
+        while band.pending and band.pending[0] < horizon:
+            band.pending.pop(0)
+        return len(band.pending)
+
     def allows(self, model: str, regime: str, similarity: float, stage1_steps: int) -> bool:
         """Whether a verified plan reusing ``stage1_steps`` steps may be made in this band now: while its checks
-        pay, or when a closed band is due an exploration (spent by ``chosen``). No side effect on the band."""
+        pay, counting those in flight as rejected, or when a closed band is due an exploration (spent by
+        ``chosen``). No side effect on the band's outcomes."""
         with self._lock:
             _, band = self._band(model, regime, similarity)
-            p = band.accepted / (band.accepted + band.rejected)
-            if p * stage1_steps >= 1.0 - p:
+            if _pays(band.accepted, band.rejected + self._in_flight(band), stage1_steps):
                 return True
-            if self.clock() - band.explored_at >= self._explore_wait(band):
+            closed = not _pays(
+                band.accepted, band.rejected, stage1_steps
+            )  # by its outcomes, not those awaited
+            if closed and self.clock() - band.explored_at >= self._explore_wait(band):
                 return True  # explore: the only way a closed band learns that traffic changed
             self.refusals += 1  # a statistic only: per candidate donor, across every search that asked
             return False
 
     def chosen(self, model: str, regime: str, similarity: float, stage1_steps: int) -> None:
-        """A verified plan in this band was dispatched: if the band is closed, that was its exploration."""
+        """A verified plan in this band was dispatched: its check is in flight, and if the band is closed by its
+        outcomes, that was its exploration."""
         with self._lock:
             _, band = self._band(model, regime, similarity)
-            p = band.accepted / (band.accepted + band.rejected)
-            if p * stage1_steps < 1.0 - p:
+            band.pending.append(self.clock())
+            if not _pays(band.accepted, band.rejected, stage1_steps):
                 band.explored_at = self.clock()
                 band.explorations += 1
 
     def record(self, model: str, regime: str, similarity: float, decision: str, stage1_steps: int) -> None:
         """A check's outcome (``VerificationReport.decision``); a shortened donor counts half accepted."""
         weight = {"accepted": 1.0, "shortened": 0.5, "rejected": 0.0}.get(decision)
-        if weight is None:
-            return  # unverified: the check could not measure, it says nothing about the band
         with self._lock:
             key, band = self._band(model, regime, similarity)
+            if band.pending:
+                band.pending.pop(0)  # the oldest in flight: checks are not told apart, only counted
+            if weight is None:
+                return  # unverified: the check could not measure, it says nothing about the band
             band.accepted = band.accepted * self.config.decay + weight
             band.rejected = band.rejected * self.config.decay + (1.0 - weight)
             p = band.accepted / (band.accepted + band.rejected)
-            now_open = p * stage1_steps >= 1.0 - p
+            now_open = _pays(band.accepted, band.rejected, stage1_steps)
             if now_open:
                 band.explorations = 0
             if now_open != band.open:
@@ -135,3 +155,9 @@ class VerifiedReuseGate:
                         "explore_every_s": self._explore_wait(band),
                     },
                 )
+
+
+def _pays(accepted: float, rejected: float, stage1_steps: int) -> bool:
+    """An accepted check saves ``stage1_steps`` steps, a rejected one costs one: ``p * k1 >= 1 - p``, written
+    without the division (1/3 * 2 < 1 - 1/3 in floating point, which made the break-even band refuse)."""
+    return accepted * stage1_steps >= rejected - 1e-9

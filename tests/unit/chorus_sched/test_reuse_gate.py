@@ -202,3 +202,31 @@ def test_a_gate_failure_does_not_fail_the_result(tmp_path: Path, monkeypatch: An
 def test_the_gate_can_be_switched_off(tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setenv("CHORUS_VERIFIED_GATE", "false")
     assert make_ports(tmp_path).scheduler.gate is None
+
+
+def test_checks_in_flight_count_as_rejected_until_they_answer() -> None:
+    clock = Clock()
+    gate = VerifiedReuseGate(GateConfig(explore_every_s=5.0), clock=clock)
+    for _ in range(2):  # a new band (prior one accept, one reject) at k1 = 2 of 4: two plans may be in flight
+        assert gate.allows("toy", "few", 0.72, 2)
+        gate.chosen("toy", "few", 0.72, 2)
+    assert not gate.allows("toy", "few", 0.72, 2)  # a third waits for an outcome
+    assert gate.allows("toy", "few", 0.82, 2)  # another band is not held up
+    gate.record("toy", "few", 0.72, "accepted", stage1_steps=2)
+    assert gate.allows("toy", "few", 0.72, 2)  # one answered (and accepted): room again
+    gate.chosen("toy", "few", 0.72, 2)
+    gate.record("toy", "few", 0.72, "unverified", stage1_steps=2)  # says nothing, but is no longer in flight
+    gate.record("toy", "few", 0.72, "accepted", stage1_steps=2)
+    for _ in range(4):  # a band whose checks accept keeps many in flight
+        assert gate.allows("toy", "few", 0.72, 2)
+        gate.chosen("toy", "few", 0.72, 2)
+
+
+def test_a_check_never_heard_of_stops_counting_after_its_ttl() -> None:
+    clock = Clock()
+    gate = VerifiedReuseGate(GateConfig(explore_every_s=1000.0, pending_ttl_s=120.0), clock=clock)
+    gate.chosen("toy", "few", 0.72, 2)
+    gate.chosen("toy", "few", 0.72, 2)
+    assert not gate.allows("toy", "few", 0.72, 2)
+    clock.now += 121.0  # their results were lost: they no longer hold the band
+    assert gate.allows("toy", "few", 0.72, 2)
