@@ -77,6 +77,7 @@ class Scheduler:
                 GateConfig(
                     explore_every_s=settings.verified_gate_explore_s,
                     explore_max_s=max(settings.verified_gate_explore_s, settings.verified_gate_explore_max_s),
+                    pending_ttl_s=settings.verified_gate_pending_ttl_s,
                 )
             )
             if settings.verified_gate

@@ -74,6 +74,8 @@ class SchedulerSettings(KafkaSettings):
     verified_gate_explore_s: float = Field(default=5.0, gt=0, le=3600)
     # Each exploration that leaves a band paused doubles its interval, up to this; reopening resets it.
     verified_gate_explore_max_s: float = Field(default=160.0, gt=0, le=86400)
+    # A verified plan's check counts as rejected until its result answers, or for this long at most.
+    verified_gate_pending_ttl_s: float = Field(default=120.0, gt=0, le=86400)
     # Local mode: keep the folder open between operations (opening reads every point) until another process
     # asks for it or it has been idle this long; 0 closes it after every operation.
     index_keep_open_s: float = Field(default=1.0, ge=0, le=600)
