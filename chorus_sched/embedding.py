@@ -69,6 +69,10 @@ class MiniLMEmbedder:
         )
         self._model: Any = None
         self._graph: Any = None  # the frozen graph of the whole pipeline; None: use encode
+        # The intake and feedback threads share this embedder. A fast tokenizer sets its padding and truncation on
+        # each call, and concurrent calls are reported to fail with "Already borrowed" (not reproduced here with
+        # four threads); tokenizing takes ~0.1 ms, so one at a time costs nothing.
+        self._tokenizing = threading.Lock()
 
     def _load(self) -> Any:
         if self._model is None:
@@ -98,13 +102,14 @@ class MiniLMEmbedder:
         out: list[list[float]] = []
         step = min(self.batch_size, GRAPH_MAX_BATCH)
         for start in range(0, len(texts), step):
-            batch = model.tokenizer(
-                list(texts[start : start + step]),
-                padding=True,
-                truncation=True,
-                max_length=model.max_seq_length,
-                return_tensors="pt",
-            ).to(self.device)
+            with self._tokenizing:
+                batch = model.tokenizer(
+                    list(texts[start : start + step]),
+                    padding=True,
+                    truncation=True,
+                    max_length=model.max_seq_length,
+                    return_tensors="pt",
+                ).to(self.device)
             with torch.inference_mode():
                 out.extend(self._graph(batch["input_ids"], batch["attention_mask"]).tolist())
         return out

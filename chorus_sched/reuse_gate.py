@@ -105,9 +105,8 @@ class VerifiedReuseGate:
             _, band = self._band(model, regime, similarity)
             if _pays(band.accepted, band.rejected + self._in_flight(band), stage1_steps):
                 return True
-            closed = not _pays(
-                band.accepted, band.rejected, stage1_steps
-            )  # by its outcomes, not those awaited
+            # Explorations are for a band its outcomes closed, not one waiting for the checks in flight.
+            closed = not _pays(band.accepted, band.rejected, stage1_steps)
             if closed and self.clock() - band.explored_at >= self._explore_wait(band):
                 return True  # explore: the only way a closed band learns that traffic changed
             self.refusals += 1  # a statistic only: per candidate donor, across every search that asked
