@@ -122,6 +122,7 @@ class Feedback:
             self._count_check(record, result)
             self._drop_gone_donor(result)
         else:
+            self._count_check(record, result)
             if state != RequestState.DONE:
                 self.ledger.set_state(rid, RequestState.FAILED)
             entry = self.index.get(rid)
@@ -193,18 +194,25 @@ class Feedback:
 
     def _count_check(self, record: RequestRecord, result: GenerationResult) -> None:
         """Tell the gate how the worker's check of a verified row's donor went (it pauses verified reuse that does
-        not pay). Once per request: a redelivered result is not counted again. A failure here is logged, never
-        retried: the gate is advice, and a retry would re-run the result's other effects."""
-        check, donor, plan = result.verification, result.donor, result.plan
+        not pay), or, for a result without one (failed, or fallen back before checking), that the check is no
+        longer in flight. Once per request: a redelivered result is not counted again. A failure here is logged,
+        never retried: the gate is advice, and a retry would re-run the result's other effects."""
         if self.gate is None or self.regime_of is None or not record.verified_plan:
             return
-        if check is None or donor is None or plan is None or plan.stage1_steps == 0:
+        # The gate's band: the similarity the plan was made at (the result echoes the order's donor).
+        similarity = result.donor.similarity if result.donor is not None else record.similarity
+        if similarity is None:
             return
+        check, plan = result.verification, result.plan
         try:
             if not self.ledger.mark_once(f"check:{result.job_id}"):
                 return
             regime = self.regime_of(record.num_steps)
-            self.gate.record(record.model, regime, donor.similarity, check.decision, plan.stage1_steps)
+            done = result.status is ResultStatus.DONE
+            if done and check is not None and plan is not None and plan.stage1_steps > 0:
+                self.gate.record(record.model, regime, similarity, check.decision, plan.stage1_steps)
+            else:
+                self.gate.release(record.model, regime, similarity)
         except Exception as exc:
             log.warning(
                 "donor check not counted by the reuse gate",

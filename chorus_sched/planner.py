@@ -271,7 +271,8 @@ class Planner:
         return Planner(self.table, gate)
 
     def chosen(self, choice: PlanChoice, model: str, similarity: float) -> None:
-        """``choice`` was dispatched: a verified plan made while its band was closed spends the exploration."""
+        """``choice`` was dispatched: a verified plan's check is now in flight in its band, and one made while the
+        band was closed spends the exploration."""
         if choice.verified and self.gate is not None:
             self.gate.chosen(model, choice.regime, similarity, choice.plan.stage1_steps)
 

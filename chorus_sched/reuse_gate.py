@@ -20,12 +20,16 @@ from ``explore_every_s``, so a band that keeps rejecting costs a check every few
 Checks still in flight count as rejected until they answer. A band with no history would otherwise admit every
 plan of a burst before the first check came back (``--trace fresh`` in a closed loop: 17 of 48 requests threw a
 check away before the gate heard of any); counted this way, a new band lets two plans through at k1 = 2 of 4 and
-waits for their outcomes, while a band whose checks have been accepting keeps going. A dispatched plan whose
-outcome never arrives (its result lost, or no check made) stops counting after ``pending_ttl_s``.
+waits for their outcomes, while a band whose checks have been accepting keeps going. Every result of a verified
+plan takes one check of its band out of flight (``record`` with its outcome, ``release`` for a result without
+one: failed, or fallen back before checking); a check whose result never arrives stops counting after
+``pending_ttl_s``. The count is per scheduler instance, and instances share the results topic's consumer group,
+so with several instances a result may release a check another instance dispatched: each instance's count is
+then approximate, corrected by the results it does read and by the TTL.
 
 Only the checks of plans a verified row made teach the gate (the feedback knows them from the request's record):
 a same-prompt row's donor is checked too, and its accepts would open a band for the loose row it never tried.
-``allows`` has no side effect — the planner asks for every candidate, including ones that lose the ranking and
+``allows`` has no side effect on a band's outcomes (it only drops expired checks) — the planner asks for every candidate, including ones that lose the ranking and
 the search across tenants — and an exploration is spent (``chosen``) only when such a plan is dispatched.
 """
 
@@ -97,6 +101,17 @@ class VerifiedReuseGate:
             band.pending.pop(0)
         return len(band.pending)
 
+    def _take_one(self, band: _Band) -> None:
+        """A result answered: one check of the band is no longer in flight (checks are counted, not told apart)."""
+        if self._in_flight(band):
+            band.pending.pop(0)
+
+    def release(self, model: str, regime: str, similarity: float) -> None:
+        """A verified plan's result came back without a check outcome (failed, or fell back before checking)."""
+        with self._lock:
+            _, band = self._band(model, regime, similarity)
+            self._take_one(band)
+
     def allows(self, model: str, regime: str, similarity: float, stage1_steps: int) -> bool:
         """Whether a verified plan reusing ``stage1_steps`` steps may be made in this band now: while its checks
         pay, counting those in flight as rejected, or when a closed band is due an exploration (spent by
@@ -127,8 +142,7 @@ class VerifiedReuseGate:
         weight = {"accepted": 1.0, "shortened": 0.5, "rejected": 0.0}.get(decision)
         with self._lock:
             key, band = self._band(model, regime, similarity)
-            if band.pending:
-                band.pending.pop(0)  # the oldest in flight: checks are not told apart, only counted
+            self._take_one(band)
             if weight is None:
                 return  # unverified: the check could not measure, it says nothing about the band
             band.accepted = band.accepted * self.config.decay + weight

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -167,6 +168,20 @@ def test_a_pipeline_other_than_mean_pooling_is_left_to_encode() -> None:
 
     assert _frozen_pipeline([Transformer(), Pooling(), Normalize()]) is None
     assert _frozen_pipeline([Transformer()]) is None
+
+
+@pytest.mark.slow
+def test_a_graph_that_disagrees_with_encode_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    def wrong(graph: Any, *args: Any, **kwargs: Any) -> Any:
+        return lambda input_ids, attention_mask: torch.zeros(input_ids.shape[0], 384)
+
+    monkeypatch.setattr(torch.jit, "optimize_for_inference", wrong)
+    embedder = MiniLMEmbedder()
+    vector = embedder.embed(["a red circle"])[0]
+    assert embedder._graph is None  # fell back to encode
+    assert math.isclose(sum(x * x for x in vector), 1.0, rel_tol=1e-4)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from typing import Any
 from chorus_sched.embedding import word_diff
 from chorus_sched.planner import Planner, parse_calibration
 from chorus_sched.reuse_gate import GateConfig, VerifiedReuseGate
-from producer.contract import DonorInfo, ReusePlan, VerificationReport
+from producer.contract import DonorInfo, GenerationResult, ResultStatus, ReusePlan, VerificationReport
 from tests.helpers.scheduler_fakes import Msg, done, make_ports, request
 from tests.unit.chorus_sched.test_planner_verification import RED, _with_verified_row
 
@@ -230,3 +230,25 @@ def test_a_check_never_heard_of_stops_counting_after_its_ttl() -> None:
     assert not gate.allows("toy", "few", 0.72, 2)
     clock.now += 121.0  # their results were lost: they no longer hold the band
     assert gate.allows("toy", "few", 0.72, 2)
+
+
+def test_a_verified_plan_that_failed_takes_its_check_out_of_flight_once(tmp_path: Path) -> None:
+    ports = make_ports(tmp_path)
+    gate = ports.scheduler.gate
+    assert gate is not None
+    regime = ports.scheduler.planner.table.regime_for(4).name
+    _dispatched(ports, ["v0", "v1"], verified=True)
+    for r in (
+        "v0",
+        "v1",
+    ):  # as the intake records a verified plan: its donor's similarity, its check in flight
+        ports.ledger.records[r] = ports.ledger.records[r].model_copy(update={"similarity": 0.72})
+        gate.chosen("toy", regime, 0.72, 2)
+    assert not gate.allows("toy", regime, 0.72, 2)  # two in flight in a new band
+    failed = GenerationResult(request_id="v0", tenant="default", status=ResultStatus.FAILED)
+    ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
+    assert gate.allows("toy", regime, 0.72, 2)  # released, and no outcome learned
+    assert gate.acceptance("toy", regime, 0.72) == 0.5
+    gate.chosen("toy", regime, 0.72, 2)
+    ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])  # redelivered: not again
+    assert not gate.allows("toy", regime, 0.72, 2)

@@ -205,7 +205,7 @@ def run_sched(options: SchedOptions, say: Callable[[str], None]) -> dict[str, An
             where = f"on core {core}" if core is not None else "(not pinned)"
             say(f"scheduler up {where}; {options.latency_requests} requests at {options.rate:g}/s")
             latency = _latency(harness, options)
-            say(f"backlog of {options.backlog} requests, profiled")
+            say(f"backlog of {options.backlog} requests, then another profiled")
             sustained = _sustained(harness, options)
     finally:
         kafka.stop()
