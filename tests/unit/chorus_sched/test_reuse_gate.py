@@ -138,12 +138,17 @@ def _dispatched(ports: Any, ids: list[str], *, verified: bool, seed: int = 0) ->
         ports.ledger.records[r] = ports.ledger.records[r].model_copy(update={"verified_plan": verified})
 
 
-def test_the_scheduler_learns_from_its_verified_plans_results_once(tmp_path: Path) -> None:
+def _two_verified_plans(tmp_path: Path) -> tuple[Any, VerifiedReuseGate, str]:
+    """A scheduler on fakes with two dispatched verified plans, v0 and v1: (ports, its gate, the 4-step regime)."""
     ports = make_ports(tmp_path)
     gate = ports.scheduler.gate
     assert gate is not None
-    regime = ports.scheduler.planner.table.regime_for(4).name
     _dispatched(ports, ["v0", "v1"], verified=True)
+    return ports, gate, ports.scheduler.planner.table.regime_for(4).name
+
+
+def test_the_scheduler_learns_from_its_verified_plans_results_once(tmp_path: Path) -> None:
+    ports, gate, regime = _two_verified_plans(tmp_path)
     _dispatched(ports, ["s0", "s1", "s2"], verified=False, seed=10)
     same_prompt = [
         Msg(_checked(r, "accepted", 0.72), i, topic="results") for i, r in enumerate(["s0", "s1", "s2"])
@@ -233,11 +238,7 @@ def test_a_check_never_heard_of_stops_counting_after_its_ttl() -> None:
 
 
 def test_a_verified_plan_that_failed_takes_its_check_out_of_flight_once(tmp_path: Path) -> None:
-    ports = make_ports(tmp_path)
-    gate = ports.scheduler.gate
-    assert gate is not None
-    regime = ports.scheduler.planner.table.regime_for(4).name
-    _dispatched(ports, ["v0", "v1"], verified=True)
+    ports, gate, regime = _two_verified_plans(tmp_path)
     for r in (
         "v0",
         "v1",
