@@ -157,14 +157,17 @@ def test_minilm_direct_pipeline_gives_the_packages_vectors() -> None:
 
 
 def test_a_pipeline_other_than_mean_pooling_is_left_to_encode() -> None:
+    # Stages are recognised by their class names, so stand-ins named like sentence-transformers' modules do.
     class Transformer:
-        pass
+        """The encoder stage."""
 
     class Pooling:
+        """A pooling stage of another mode than mean."""
+
         pooling_mode = "cls"
 
     class Normalize:
-        pass
+        """The normalization stage."""
 
     assert _frozen_pipeline([Transformer(), Pooling(), Normalize()]) is None
     assert _frozen_pipeline([Transformer()]) is None

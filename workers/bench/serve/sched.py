@@ -174,7 +174,7 @@ class _Harness:
         def wrapped(messages: Sequence[Message]) -> BatchOutcome:
             if name == "results":
                 self.result_poll_sizes.append(len(messages))
-            if name == "requests":
+            elif name == "requests":
                 self.poll_sizes.append(len(messages))
                 now = time.monotonic()
                 for m in messages:
@@ -340,8 +340,8 @@ def _latency(harness: _Harness, options: SchedOptions) -> dict[str, Any]:
     }
 
 
-def _mean(values: Sequence[int]) -> float:
-    return round(statistics.mean(values), 1) if values else 0.0
+def _mean(values: Sequence[int], digits: int = 1) -> float:
+    return round(statistics.mean(values), digits) if values else 0.0
 
 
 def _quantiles(ms: Sequence[float]) -> dict[str, float]:
@@ -405,7 +405,7 @@ def _broker_pass(
     return {
         "messages": len(sent),
         "received": len(ms),
-        "records_per_poll": round(statistics.mean(polls), 2) if polls else 0.0,
+        "records_per_poll": _mean(polls, digits=2),
         "delivery_ms": _quantiles(ms),
     }
 
