@@ -30,7 +30,8 @@ def queue_for(model: str) -> str:
 
 # --- object-store layout -----------------------------------------------------------------------------------
 # A trajectory is ``<prefix>header.json`` (metadata and initial latent), then one ``<prefix>step-NNNN.safetensors``
-# per step; a follower that gave up on its leader leaves ``<prefix>abandoned``. A video is one object.
+# per step, or, packed, ``<prefix>header.json`` alone holding every step (``workers.donors``); a follower that gave
+# up on its leader leaves ``<prefix>abandoned``. A video is one object.
 
 
 def trajectory_prefix(request_id: str) -> str:

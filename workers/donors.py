@@ -1,7 +1,17 @@
 """Donor trajectories in S3: reading them (a ``DonorSource``) and writing them (``TrajectoryUploader``).
 
-Layout (``producer.orders``): ``<prefix>header.json`` holds the metadata and initial latent, then one
-``<prefix>step-NNNN.safetensors`` per step, each sealed with its own sha256 by ``workers.engine.trajectory``.
+Layout (``producer.orders``), two forms, each object sealed with its own sha256 by ``workers.engine.trajectory``:
+
+- packed (a trajectory up to ``pack_max_bytes``): ``<prefix>header.json`` holds the whole trajectory, written
+  once the engine is done. An object costs a request however small (~2.5 ms on the stand-in S3 server from 1 kB
+  to 400 kB), so a 4-step toy trajectory is written and read in one request instead of five; a group leader's
+  followers then take its steps all at once when it ends, not step by step (for a trajectory this small, a
+  few tens of milliseconds later);
+- streamed (larger ones): ``<prefix>header.json`` holds the metadata and initial latent, then one
+  ``<prefix>step-NNNN.safetensors`` per step, uploaded as the engine goes, so that followers start early and
+  the uploads overlap the denoising.
+
+A reader tells the two apart by the header object's format (``decode_head``).
 
 Reading, two ways:
 
@@ -15,13 +25,15 @@ Reading, two ways:
   ``abandoned`` marker under the prefix, and every other follower of that leader checks it while it waits, so
   only the first of them pays the wait for a leader that was killed.
 
-Writing: the header first, then each step as the engine reports it, from a background thread so the denoising
-loop never waits for S3; ``finish`` uploads whatever is still missing (everything, for a SOLO order).
+Writing, from a background thread so the denoising loop never waits for S3: streamed, the header first, then
+each step as the engine reports it; packed, the whole trajectory once the engine is done (``on_done``), while
+the worker encodes the video. ``finish`` waits for that and uploads whatever is still missing.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -37,7 +49,7 @@ from workers.engine.trajectory import (
     StorageDType,
     Trajectory,
     TrajectoryMeta,
-    decode_header,
+    decode_head,
     decode_step,
     encode_header,
     encode_step,
@@ -71,6 +83,7 @@ class S3DonorSource:
         self._meta: TrajectoryMeta | None = None
         self._initial: torch.Tensor | None = None
         self._steps: dict[int, StepRecord] = {}
+        self._packed = False  # the header object held the whole trajectory: no step objects to read
         self._gave_up = False
         # Seconds spent inside this source (downloads, decoding and waiting), and bytes downloaded.
         self.busy_s = 0.0
@@ -89,12 +102,14 @@ class S3DonorSource:
         return self._initial
 
     def step(self, index: int) -> StepRecord:
+        meta = self.metadata()  # a packed trajectory's header object brings every step with it
         cached = self._steps.get(index)
         if cached is not None:
             return cached
-        meta = self.metadata()
         if not 0 <= index < meta.num_steps:
             raise IndexError(f"step {index} out of range 0..{meta.num_steps - 1}")
+        if self._packed:
+            raise CorruptTrajectory(f"{self.store.uri(header_key(self.prefix))} holds no step {index}")
         start = self._clock()
         try:
             data = self._fetch(step_key(self.prefix, index), f"step {index}")
@@ -131,9 +146,13 @@ class S3DonorSource:
             return
         start = self._clock()
         try:
-            self._meta, self._initial = decode_header(self._fetch(header_key(self.prefix), "header"))
+            meta, initial, steps = decode_head(self._fetch(header_key(self.prefix), "header"))
         finally:
             self.busy_s += self._clock() - start
+        if steps is not None:
+            self._steps = {record.index: record for record in steps}
+            self._packed = True
+        self._meta, self._initial = meta, initial
 
     def _fetch(self, key: str, what: str) -> bytes:
         deadline: float | None = None
@@ -189,20 +208,39 @@ class UploadReport:
     prefix: str
     objects: int
     bytes: int
-    streamed: int  # objects uploaded while the engine ran
+    streamed: int  # objects uploaded in the background (while the engine ran, or the video was encoded)
+
+
+def estimated_bytes(meta: TrajectoryMeta, storage_dtype: StorageDType) -> int:
+    """Tensor bytes of the finished trajectory: the initial latent, two latents per step and the attention maps."""
+    latent = math.prod(meta.latent_shape)
+    maps = sum(meta.valid) * meta.num_tokens
+    item = 2 if storage_dtype == "float16" else 4
+    return item * (latent * (1 + 2 * meta.num_steps) + maps * meta.num_steps)
 
 
 class TrajectoryUploader:
-    """Writes one request's trajectory under ``prefix``; streams it while the engine runs if asked to."""
+    """Writes one request's trajectory under ``prefix`` from a background thread (see the module docstring):
+    packed into one object once the engine is done when it holds at most ``pack_max_bytes`` (0: never), else
+    streamed step by step."""
 
     _STOP = object()
 
-    def __init__(self, store: ObjectStore, prefix: str, *, storage_dtype: StorageDType = "float32") -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        prefix: str,
+        *,
+        storage_dtype: StorageDType = "float32",
+        pack_max_bytes: int = 0,
+    ) -> None:
         if not prefix.endswith("/"):
             prefix += "/"
         self.store = store
         self.prefix = prefix
         self.storage_dtype: StorageDType = storage_dtype
+        self.pack_max_bytes = pack_max_bytes
+        self._packed: bool | None = None  # decided once the trajectory's shape is known
         self._sizes: dict[str, int] = {}
         self._queue: queue.Queue[object] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -215,19 +253,29 @@ class TrajectoryUploader:
         """Objects written so far."""
         return len(self._sizes)
 
-    # --- streaming (leader) ------------------------------------------------------------------------------
+    def _packs(self, meta: TrajectoryMeta) -> bool:
+        if self._packed is None:
+            self._packed = estimated_bytes(meta, self.storage_dtype) <= self.pack_max_bytes
+        return self._packed
+
+    # --- background uploads -------------------------------------------------------------------------------
     def start(self) -> None:
-        """Begin streaming: ``on_start`` / ``on_step`` enqueue, a background thread uploads in order."""
+        """Begin uploading in the background: ``on_start``/``on_step``/``on_done`` enqueue, a thread uploads."""
         self._thread = threading.Thread(target=self._drain, name=f"upload-{self.prefix}", daemon=True)
         self._thread.start()
 
     def on_start(self, trajectory: Trajectory) -> None:
-        if self._thread is not None:
+        if self._thread is not None and not self._packs(trajectory.meta):
             self._queue.put(("header", trajectory.meta, trajectory.initial))
 
     def on_step(self, record: StepRecord) -> None:
-        if self._thread is not None:
+        if self._thread is not None and not self._packed:
             self._queue.put(("step", record))
+
+    def on_done(self, trajectory: Trajectory) -> None:
+        """The engine finished: a packed trajectory is uploaded now, while the caller goes on."""
+        if self._thread is not None and self._packs(trajectory.meta):
+            self._queue.put(("whole", trajectory))
 
     def _drain(self) -> None:
         while True:
@@ -235,21 +283,23 @@ class TrajectoryUploader:
             if item is self._STOP:
                 return
             if self._error is not None:
-                continue  # after a failure nothing more is streamed; ``finish`` retries what is missing
+                continue  # after a failure nothing more is uploaded here; ``finish`` retries what is missing
             try:
                 assert isinstance(item, tuple)
                 if item[0] == "header":
                     self._put_header(item[1], item[2])
+                elif item[0] == "whole":
+                    self._put_whole(item[1])
                 else:
                     self._put_step(item[1])
                 with self._lock:
                     self.streamed += 1
             except Exception as exc:
                 self._error = exc
-                log.warning("streaming upload failed", extra={"prefix": self.prefix, "error": str(exc)})
+                log.warning("background upload failed", extra={"prefix": self.prefix, "error": str(exc)})
 
     def stop(self) -> None:
-        """Wait for queued uploads to finish (streaming mode)."""
+        """Wait for queued uploads to finish."""
         if self._thread is not None:
             self._queue.put(self._STOP)
             self._thread.join()
@@ -259,17 +309,25 @@ class TrajectoryUploader:
     def finish(self, trajectory: Trajectory) -> UploadReport:
         """Upload every part of ``trajectory`` not uploaded yet (header first); raises ``StoreError``."""
         self.stop()
-        if header_key(self.prefix) not in self._sizes:
-            self._put_header(trajectory.meta, trajectory.initial)
-        for record in trajectory.steps:
-            if step_key(self.prefix, record.index) not in self._sizes:
-                self._put_step(record)
+        if self._packs(trajectory.meta):
+            if header_key(self.prefix) not in self._sizes:
+                self._put_whole(trajectory)
+        else:
+            if header_key(self.prefix) not in self._sizes:
+                self._put_header(trajectory.meta, trajectory.initial)
+            for record in trajectory.steps:
+                if step_key(self.prefix, record.index) not in self._sizes:
+                    self._put_step(record)
         return UploadReport(
             prefix=self.prefix,
             objects=len(self._sizes),
             bytes=sum(self._sizes.values()),
             streamed=self.streamed,
         )
+
+    def _put_whole(self, trajectory: Trajectory) -> None:
+        stored = self.store.put(header_key(self.prefix), trajectory.to_bytes(self.storage_dtype))
+        self._sizes[stored.key] = stored.size
 
     def _put_header(self, meta: TrajectoryMeta, initial: torch.Tensor) -> None:
         data = encode_header(meta, initial, storage_dtype=self.storage_dtype)

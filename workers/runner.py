@@ -264,7 +264,10 @@ class Runner:
             },
         )
         uploader = TrajectoryUploader(
-            self.store, trajectory_prefix(job), storage_dtype=self.settings.trajectory_dtype
+            self.store,
+            trajectory_prefix(job),
+            storage_dtype=self.settings.trajectory_dtype,
+            pack_max_bytes=self.settings.trajectory_pack_max_bytes,
         )
         output = self._denoise(loaded, order, given, source, uploader, clock, progress)
         video_uri, trajectory_uri, trajectory_bytes = self._store_outputs(order, output, uploader, clock)
@@ -328,8 +331,8 @@ class Runner:
         progress: Progress | None,
     ) -> GenerationOutput:
         """Run the engine (a leader streams its trajectory meanwhile); count the fallback it reports."""
-        # Every role streams its trajectory while the engine runs (a leader must, for its followers): the uploads
-        # overlap the denoising instead of following it, and the result waits only for what is left.
+        # Uploads run in the background: a packed trajectory as soon as the engine is done, while the video is
+        # encoded; a larger one step by step while the engine runs. The result waits for what is left.
         uploader.start()
         try:
             use_torch_threads(order.request.model, self.settings)
@@ -341,6 +344,7 @@ class Runner:
             self._discard_trajectory(order.request.job_id, uploader)
             raise
         # The uploads still queued drain while the video is encoded and stored (``_store_outputs`` waits for them).
+        uploader.on_done(output.trajectory)
         if output.fallback_cause is not None:
             worker_metrics.count_fallback(output.fallback_cause)
             if output.fallback_cause is FallbackCause.DONOR_INCOMPATIBLE:

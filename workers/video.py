@@ -30,6 +30,13 @@ def _check(frames: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(frames)
 
 
+# x264's "veryfast" preset at the same CRF: about the size of "medium"'s file (toy clips: 3.9 vs 4.0 kB) for 30-40%
+# less encoding time. Frames this small gain nothing from x264's threads: starting them cost more than they gave
+# (8 toy frames of 32x32: 2.1 ms on one thread, 3.6 ms on x264's own count, 2 cores).
+_X264_PRESET = "veryfast"
+_ONE_THREAD_MAX_PIXELS = 256 * 256
+
+
 def _encode_mp4(frames: np.ndarray, fps: int) -> bytes:
     # In process (PyAV, libx264): spawning an ffmpeg process per video cost ~70 ms, half of a toy request.
     import av
@@ -46,7 +53,9 @@ def _encode_mp4(frames: np.ndarray, fps: int) -> bytes:
             stream = container.add_stream("libx264", rate=fps)
             stream.width, stream.height = frames.shape[2], frames.shape[1]
             stream.pix_fmt = "yuv420p"
-            stream.options = {"crf": "18"}
+            stream.options = {"crf": "18", "preset": _X264_PRESET}
+            if w * h <= _ONE_THREAD_MAX_PIXELS:
+                stream.thread_count = 1
             for frame in frames:
                 container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
             container.mux(stream.encode(None))

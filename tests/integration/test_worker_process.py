@@ -53,13 +53,15 @@ def wsettings(
         s3_access_key="test",
         s3_secret_key="test",
         follower_poll_s=0.1,
+        trajectory_pack_max_bytes=0,  # step by step, as a trajectory too large to pack is: followers stream it
     )
 
 
 def chorus_env(settings: WorkerSettings) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("state_dir", "broker_url", "kafka_bootstrap", "kafka_api_version", "kafka_requests_topic",
-                 "kafka_results_topic", "s3_endpoint", "s3_bucket", "follower_poll_s"):  # fmt: skip
+                 "kafka_results_topic", "s3_endpoint", "s3_bucket", "follower_poll_s",
+                 "trajectory_pack_max_bytes"):  # fmt: skip
         env[f"CHORUS_{name.upper()}"] = str(getattr(settings, name))
     env["CHORUS_S3_ACCESS_KEY"] = env["CHORUS_S3_SECRET_KEY"] = "test"
     env["CHORUS_LOG_FORMAT"] = "json"

@@ -15,7 +15,8 @@ Two serialized forms, both safetensors with a sha256 over tensors and metadata:
 
 - whole: ``Trajectory.to_bytes()`` / ``Trajectory.from_bytes()`` (``save``/``load`` for files);
 - streamed: ``encode_header(traj)`` once, then ``encode_step(record)`` per finished step; a reader rebuilds with
-  ``decode_header`` + ``decode_step`` (or ``Trajectory.from_parts``). Both forms decode to the same data.
+  ``decode_header`` + ``decode_step`` (or ``Trajectory.from_parts``). Both forms decode to the same data, and
+  ``decode_head`` reads either as a trajectory's first object (a header, or the whole trajectory).
 
 ``storage_dtype="float16"`` halves the size; decoding always returns float32 tensors. Anything that does not
 decode or does not match its checksum raises ``CorruptTrajectory``.
@@ -257,7 +258,10 @@ class Trajectory:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Trajectory:
-        tensors, meta = _open(data, "trajectory/1")
+        return cls._from_opened(*_open(data, "trajectory/1"))
+
+    @classmethod
+    def _from_opened(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> Trajectory:
         tmeta = TrajectoryMeta.from_json(meta["chorus.meta"])
         try:
             scalars = json.loads(meta["chorus.steps"])
@@ -325,6 +329,16 @@ def decode_header(data: bytes) -> tuple[TrajectoryMeta, torch.Tensor]:
     return TrajectoryMeta.from_json(meta["chorus.meta"]), _need(tensors, "initial_latent")
 
 
+def decode_head(data: bytes) -> tuple[TrajectoryMeta, torch.Tensor, list[StepRecord] | None]:
+    """What a stored trajectory's first object holds: a header (its steps stored one by one beside it: ``None``)
+    or the whole trajectory, steps included (written in one piece when nobody reads it while it runs)."""
+    tensors, meta = _open(data, "header/1", "trajectory/1")
+    if meta["chorus.format"] == "trajectory/1":
+        whole = Trajectory._from_opened(tensors, meta)
+        return whole.meta, whole.initial, whole.steps
+    return TrajectoryMeta.from_json(meta["chorus.meta"]), _need(tensors, "initial_latent"), None
+
+
 def encode_step(record: StepRecord, storage_dtype: StorageDType = "float32") -> bytes:
     """One finished step, self-contained and checksummed."""
     tensors = {name: _store(t, storage_dtype) for name, t in record.tensors().items()}
@@ -377,7 +391,7 @@ def _seal(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
     return st_save(tensors, metadata={"chorus": json.dumps(sealed, sort_keys=True, ensure_ascii=False)})
 
 
-def _open(data: bytes, expected_format: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _open(data: bytes, *expected_formats: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     try:
         (n,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8 : 8 + n])
@@ -390,8 +404,10 @@ def _open(data: bytes, expected_format: str) -> tuple[dict[str, torch.Tensor], d
             f"not a readable chorus safetensors blob ({type(exc).__name__}: {exc})"
         ) from None
     fmt = meta.get("chorus.format")
-    if fmt != expected_format:
-        raise CorruptTrajectory(f"expected a chorus {expected_format} blob, found format {fmt!r}")
+    if fmt not in expected_formats:
+        raise CorruptTrajectory(
+            f"expected a chorus {' or '.join(expected_formats)} blob, found format {fmt!r}"
+        )
     claimed = meta.pop("chorus.sha256", None)
     if claimed is None:
         raise CorruptTrajectory("blob carries no sha256")

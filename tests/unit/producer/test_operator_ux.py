@@ -384,6 +384,9 @@ class _Sent:
         self.values.append(value)
         return SimpleNamespace(get=lambda timeout: SimpleNamespace(partition=0, offset=len(self.values)))
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Sent at once: nothing is held."""
+
 
 def test_the_sdk_stamps_submitted_at_when_it_sends_unless_it_was_set() -> None:
     from datetime import UTC, datetime, timedelta

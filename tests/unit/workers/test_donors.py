@@ -22,7 +22,7 @@ from producer.orders import (
     trajectory_prefix,
     trajectory_step_key,
 )
-from workers.donors import S3DonorSource, TrajectoryUploader
+from workers.donors import S3DonorSource, TrajectoryUploader, estimated_bytes
 from workers.engine.errors import CorruptTrajectory, DonorUnavailable
 from workers.engine.trajectory import (
     StepRecord,
@@ -283,3 +283,47 @@ def test_finish_uploads_a_whole_trajectory_and_float16_halves_it(store: ObjectSt
     record = S3DonorSource(store, trajectory_prefix("solo-1-fp16")).step(1)
     assert record.latent_after.dtype == torch.float32
     assert torch.allclose(record.latent_after, traj.steps[1].latent_after, atol=1e-2)
+
+
+def test_a_small_trajectory_is_packed_into_one_object_and_read_back_whole(store: ObjectStore) -> None:
+    traj = make_trajectory("packed", steps=3)
+    prefix = trajectory_prefix("packed")
+    uploader = TrajectoryUploader(store, prefix, pack_max_bytes=1 << 20)
+    uploader.start()
+    uploader.on_start(Trajectory(traj.meta, traj.initial))
+    for record in traj.steps:
+        uploader.on_step(record)  # not uploaded one by one
+    uploader.on_done(traj)
+    report = uploader.finish(traj)
+
+    assert (report.objects, report.streamed) == (1, 1)  # uploaded in the background, after the engine
+    assert [o.key for o in store.list(prefix)] == [header_key(prefix)]
+    source = S3DonorSource(store, prefix)
+    source.prefetch(range(3))
+    assert source.metadata() == traj.meta and torch.equal(source.initial_latent(), traj.initial)
+    assert source.polls == 1  # one request for the header and every step
+    for i in range(3):
+        assert_same_record(source.step(i), traj.steps[i])
+
+
+def test_a_trajectory_over_the_pack_limit_is_stored_step_by_step(store: ObjectStore) -> None:
+    traj = make_trajectory("big", steps=2)
+    limit = estimated_bytes(traj.meta, "float32")
+    assert limit == traj.nbytes("float32")  # the estimate counts the tensors' bytes exactly
+    prefix = trajectory_prefix("over-limit")
+    TrajectoryUploader(store, prefix, pack_max_bytes=limit - 1).finish(traj)
+    streamed = {header_key(prefix)} | {step_key(prefix, i) for i in range(2)}
+    assert {o.key for o in store.list(prefix)} == streamed
+    prefix = trajectory_prefix("at-limit")
+    TrajectoryUploader(store, prefix, pack_max_bytes=limit).finish(traj)
+    assert [o.key for o in store.list(prefix)] == [header_key(prefix)]
+
+
+def test_a_packed_trajectory_without_a_step_in_range_is_corrupt(store: ObjectStore) -> None:
+    traj = make_trajectory("short", steps=3)
+    prefix = trajectory_prefix("short")
+    store.put(header_key(prefix), Trajectory(traj.meta, traj.initial, traj.steps[:2]).to_bytes())
+    source = S3DonorSource(store, prefix)
+    assert_same_record(source.step(1), traj.steps[1])
+    with pytest.raises(CorruptTrajectory, match="holds no step 2"):
+        source.step(2)
