@@ -33,7 +33,6 @@ the worker encodes the video. ``finish`` waits for that and uploads whatever is 
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -53,6 +52,7 @@ from workers.engine.trajectory import (
     decode_step,
     encode_header,
     encode_step,
+    expected_nbytes,
 )
 from workers.store import ObjectCorrupt, ObjectMissing, ObjectStore, StoreError
 
@@ -211,14 +211,6 @@ class UploadReport:
     streamed: int  # objects uploaded in the background (while the engine ran, or the video was encoded)
 
 
-def estimated_bytes(meta: TrajectoryMeta, storage_dtype: StorageDType) -> int:
-    """Tensor bytes of the finished trajectory: the initial latent, two latents per step and the attention maps."""
-    latent = math.prod(meta.latent_shape)
-    maps = sum(meta.valid) * meta.num_tokens
-    item = 2 if storage_dtype == "float16" else 4
-    return item * (latent * (1 + 2 * meta.num_steps) + maps * meta.num_steps)
-
-
 class TrajectoryUploader:
     """Writes one request's trajectory under ``prefix`` from a background thread (see the module docstring):
     packed into one object once the engine is done when it holds at most ``pack_max_bytes`` (0: never), else
@@ -255,7 +247,7 @@ class TrajectoryUploader:
 
     def _packs(self, meta: TrajectoryMeta) -> bool:
         if self._packed is None:
-            self._packed = estimated_bytes(meta, self.storage_dtype) <= self.pack_max_bytes
+            self._packed = expected_nbytes(meta, self.storage_dtype) <= self.pack_max_bytes
         return self._packed
 
     # --- background uploads -------------------------------------------------------------------------------

@@ -236,7 +236,7 @@ class Trajectory:
 
     def nbytes(self, storage_dtype: StorageDType = "float32") -> int:
         """Tensor payload bytes when stored in ``storage_dtype`` (the serialized size adds a small header)."""
-        item = torch.empty((), dtype=_STORAGE[storage_dtype]).element_size()
+        item = _item_size(storage_dtype)
         n = self.initial.numel()
         for rec in self.steps:
             n += sum(t.numel() for t in rec.tensors().values())
@@ -329,9 +329,17 @@ def decode_header(data: bytes) -> tuple[TrajectoryMeta, torch.Tensor]:
     return TrajectoryMeta.from_json(meta["chorus.meta"]), _need(tensors, "initial_latent")
 
 
+def expected_nbytes(meta: TrajectoryMeta, storage_dtype: StorageDType = "float32") -> int:
+    """``nbytes`` of the finished trajectory ``meta`` describes: the initial latent, two latents and the attention
+    maps per step (known before any step is run)."""
+    latent = math.prod(meta.latent_shape)
+    maps = sum(meta.valid) * meta.num_tokens
+    return _item_size(storage_dtype) * (latent * (1 + 2 * meta.num_steps) + maps * meta.num_steps)
+
+
 def decode_head(data: bytes) -> tuple[TrajectoryMeta, torch.Tensor, list[StepRecord] | None]:
     """What a stored trajectory's first object holds: a header (its steps stored one by one beside it: ``None``)
-    or the whole trajectory, steps included (written in one piece when nobody reads it while it runs)."""
+    or the whole trajectory, steps included (a small one, packed by ``workers.donors``)."""
     tensors, meta = _open(data, "header/1", "trajectory/1")
     if meta["chorus.format"] == "trajectory/1":
         whole = Trajectory._from_opened(tensors, meta)
@@ -368,6 +376,10 @@ def decode_step(data: bytes) -> StepRecord:
 
 
 # --- internals ------------------------------------------------------------------------------------------
+
+
+def _item_size(storage_dtype: StorageDType) -> int:
+    return torch.empty((), dtype=_STORAGE[storage_dtype]).element_size()
 
 
 def _store(t: torch.Tensor, storage_dtype: StorageDType) -> torch.Tensor:

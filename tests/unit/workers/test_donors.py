@@ -22,7 +22,7 @@ from producer.orders import (
     trajectory_prefix,
     trajectory_step_key,
 )
-from workers.donors import S3DonorSource, TrajectoryUploader, estimated_bytes
+from workers.donors import S3DonorSource, TrajectoryUploader
 from workers.engine.errors import CorruptTrajectory, DonorUnavailable
 from workers.engine.trajectory import (
     StepRecord,
@@ -30,6 +30,7 @@ from workers.engine.trajectory import (
     TrajectoryMeta,
     encode_header,
     encode_step,
+    expected_nbytes,
 )
 from workers.store import ObjectStore
 
@@ -308,7 +309,7 @@ def test_a_small_trajectory_is_packed_into_one_object_and_read_back_whole(store:
 
 def test_a_trajectory_over_the_pack_limit_is_stored_step_by_step(store: ObjectStore) -> None:
     traj = make_trajectory("big", steps=2)
-    limit = estimated_bytes(traj.meta, "float32")
+    limit = expected_nbytes(traj.meta, "float32")
     assert limit == traj.nbytes("float32")  # the estimate counts the tensors' bytes exactly
     prefix = trajectory_prefix("over-limit")
     TrajectoryUploader(store, prefix, pack_max_bytes=limit - 1).finish(traj)
