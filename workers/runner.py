@@ -83,7 +83,11 @@ def engine_for(model: str, settings: WorkerSettings) -> LoadedModel:
             start = time.perf_counter()
             bundle = _load(model, settings)
             loaded = LoadedModel(
-                Engine(bundle, prompt_cache_size=settings.prompt_cache_size),
+                Engine(
+                    bundle,
+                    prompt_cache_size=settings.prompt_cache_size,
+                    text_cache_bytes=settings.text_cache_mb * 1024 * 1024,
+                ),
                 time.perf_counter() - start,
                 threading.Lock(),
             )

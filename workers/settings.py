@@ -45,6 +45,10 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     # Encoded prompts a loaded model keeps (LRU): a prompt seen again, or a donor check's negative prompt, skips
     # the text encoder (23.7 ms -> 0.03 ms per request on toy2, chorus bench engine). 0 turns the cache off.
     prompt_cache_size: int = Field(default=64, ge=0, le=100_000)
+    # The transformer's prompt-only work (text projection, every block's cross-attention K/V) kept per prompt for
+    # as many prompts as the prompt cache, within this many MiB: the negative prompt of every CFG request and a
+    # repeated prompt skip it (mid model: a Stage-1 hit computing one step 0.40 -> 0.22 s). 0 turns it off.
+    text_cache_mb: int = Field(default=256, ge=0, le=1_000_000)
     # Torch threads per model on a CPU worker (JSON in CHORUS_TORCH_THREADS, e.g. {"toy": 1}); a model not
     # named runs on torch's default, one per core. The toy model's steps are too small for a second thread,
     # which mostly spins waiting and takes the core from the scheduler beside it (chorus bench serve --quick,

@@ -16,7 +16,7 @@ Public API — the worker, the benchmark and the demo call exactly this::
 
 Signatures
     load_bundle(name, *, device="cpu", dtype="float32", wan21_dir=None, toy_weights_dir=None) -> ModelBundle
-    Engine(bundle, *, record_attn_maps=True, cache_text=True, prompt_cache_size=64)
+    Engine(bundle, *, record_attn_maps=True, cache_text=True, prompt_cache_size=64, text_cache_bytes=256 MiB)
     Engine.generate(request, plan, donor=None, *, on_step=None, on_start=None, progress=False,
                     refuse_incompatible=True) -> GenerationOutput
     prefetch_donor(source, plan, num_steps, *, name) -> PrefetchedDonor   (request_run: read a finished donor now)
@@ -41,11 +41,12 @@ Behaviour
     (``verify``): the first computed step on the donor's latent is compared with the donor's recorded output there;
     accepted, it is that step (no extra cost); otherwise Stage 1 is shortened or the donor dropped (a fallback of
     cause ``verification_shortened`` / ``verification_rejected``), and ``out.verification`` says what and why.
-    Prompt encodings are cached per (weights id, prompt) in a bounded LRU (``prompt_cache``).
+    Prompt encodings are cached per (weights id, prompt) in a bounded LRU (``prompt_cache``), and so are the
+    transformer's text projection and cross-attention keys and values per text row (``text_side``).
 
 Modules: ``registry`` (models), ``engine`` (the loop), ``steps`` (one full or Stage-2 step), ``request_run``
 (per-request state, donor resolution and Stage 1, donor reads), ``verify`` (model-verified donors),
-``prompt_cache`` (prompt encodings), ``output`` (``GenerationOutput``, ``StepStat``), ``instrumentation`` (installs
+``prompt_cache`` (prompt encodings), ``text_side`` (the transformer's prompt-only work across requests), ``output`` (``GenerationOutput``, ``StepStat``), ``instrumentation`` (installs
 the hooks and processors), ``srd`` (gather/scatter hooks, rotary-table cache), ``tgaa`` (attn2 processor:
 amplification, map recording, text K/V cache), ``masks``, ``tokens`` (prompt diff), ``trajectory`` (records,
 metadata, serialization), ``errors``, ``fallback`` (why a planned reuse did not happen), ``bundle`` (the model

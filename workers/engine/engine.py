@@ -37,6 +37,7 @@ from workers.engine.request_run import (
     set_timesteps,
 )
 from workers.engine.steps import Stepper
+from workers.engine.text_side import DEFAULT_TEXT_CACHE_BYTES, RowKey, TextSideCache
 from workers.engine.trajectory import DonorSource, StepRecord, Trajectory, TrajectoryMeta
 from workers.engine.verify import PendingStep, verify_donor
 
@@ -74,6 +75,7 @@ class Engine:
         record_attn_maps: bool = True,
         cache_text: bool = True,
         prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE,
+        text_cache_bytes: int = DEFAULT_TEXT_CACHE_BYTES,
     ) -> None:
         self.bundle = bundle
         self.record_attn_maps = record_attn_maps
@@ -84,6 +86,8 @@ class Engine:
         self.patch = self._steps.patch
         # prompt → TextEncoding, shared by the requests this engine runs (0: encode every prompt every time)
         self.prompt_cache = PromptCache(prompt_cache_size)
+        # prompt → the transformer's text projection and cross-attention K/V (as many prompts, at most this size)
+        self.text_cache = TextSideCache(prompt_cache_size, text_cache_bytes) if cache_text else None
 
     def close(self) -> None:
         """Remove the instrumentation from the transformer (it then behaves like the plain diffusers model)."""
@@ -136,6 +140,7 @@ class Engine:
         cond, text = self.encode_request(request)
         encode_s = time.perf_counter() - t_enc
         run, noise = self._prepare(request, plan, cond, text)
+        self._inst.srd.text_rows.begin(self.text_cache, run.text, self._row_keys(request, run.cfg))
         # the donor and Stage 1 are resolved before anything is computed, and, where the plan asks, verified by
         # computing the first step (kept as that step when the donor passes)
         start = resolve_donor(run, donor, noise, self.bundle, refuse_incompatible=refuse_incompatible)
@@ -168,6 +173,14 @@ class Engine:
                 self.prompt_cache.get(b.weights_id, request.negative_prompt or "", b.encode_prompt).embeddings
             )
         return cond, torch.cat(embeds).to(b.device, b.dtype)
+
+    def _row_keys(self, request: GenerationRequest, cfg: bool) -> list[RowKey]:
+        """The text batch's rows as ``encode_request`` stacks them: the prompt, then (CFG) the negative prompt."""
+        wid = self.bundle.weights_id
+        keys = [(wid, request.prompt)]
+        if cfg:
+            keys.append((wid, request.negative_prompt or ""))
+        return keys
 
     def _prepare(
         self, request: GenerationRequest, plan: ReusePlan, cond: TextEncoding, text: torch.Tensor

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.engine.srd import SRDContext, apply_srd_hooks, remove_srd_hooks
+from workers.engine.text_side import TextRows
 from workers.engine.tgaa import CrossAttnState, install_cross_attn_processors, restore_processors
 
 
@@ -25,6 +26,7 @@ class Instrumentation:
         self.attn.clear_amplification()
         self.attn.stop_maps()
         self.attn.clear_kv_cache()
+        self.srd.text_rows.end()
 
 
 _ATTR = "_chorus_instrumentation"
@@ -35,7 +37,10 @@ def instrument(transformer: Any) -> Instrumentation:
     existing = getattr(transformer, _ATTR, None)
     if isinstance(existing, Instrumentation):
         return existing
-    inst = Instrumentation(SRDContext(), CrossAttnState())
+    rows = (
+        TextRows()
+    )  # one per transformer: the text hook and the attn2 processors see the same request's rows
+    inst = Instrumentation(SRDContext(text_rows=rows), CrossAttnState(text_rows=rows))
     apply_srd_hooks(transformer, inst.srd)
     inst.previous_processors = install_cross_attn_processors(transformer, inst.attn)
     setattr(transformer, _ATTR, inst)

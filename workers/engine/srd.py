@@ -10,7 +10,8 @@ compute only a subset of latent tokens when an ``SRDContext`` says so:
 - ``proj_out`` (tail hook): scatters the ``(B, S_active, C·p)`` projection back to ``(B, S, C·p)`` (zeros at
   inactive tokens, which the engine replaces by the donor's model output) so unpatchify sees the full grid;
 - ``condition_embedder.text_embedder`` (text cache hook): returns the cached text projection when it is called
-  again on the very same prompt tensor (it does not depend on the timestep), so it is computed once per request;
+  again on the very same prompt tensor (it does not depend on the timestep), so it is computed once per request,
+  and per text row across requests where the engine named the rows (``text_side``);
 - ``rope`` (rope cache hook): the full-grid rotary table depends only on the latent's shape (the module reads
   nothing else of its input), so it is built once per shape instead of on every pass.
 
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
+
+from workers.engine.text_side import TextRows
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ class SRDContext:
     )
     seq_len: int = 0
     cache_text: bool = True
+    # the request in progress' text rows, kept across requests (``text_side``); shared with the attn2 processors
+    text_rows: TextRows = field(default_factory=TextRows)
     _rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _text_in: torch.Tensor | None = field(default=None, repr=False)
     _text_out: torch.Tensor | None = field(default=None, repr=False)
@@ -154,9 +159,11 @@ class _TextCacheHook(ModelHook):
         if ctx.cache_text and ctx._text_in is text and ctx._text_out is not None:
             return ctx._text_out
         forward: Any = self.fn_ref.original_forward
-        out = forward(*args, **kwargs)
+        rows = ctx.text_rows.project(text, "text", lambda row: (forward(row),)) if ctx.cache_text else None
+        out = forward(*args, **kwargs) if rows is None else rows[0]
         if ctx.cache_text:
             ctx._text_in, ctx._text_out = text, out
+            ctx.text_rows.derived(out)  # the cross-attention keys and values are row-wise functions of it
         return out
 
 

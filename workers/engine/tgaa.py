@@ -12,7 +12,8 @@ text-to-video cross-attention, plus, driven by a shared ``CrossAttnState``:
   in head chunks, so it never materializes more than ~32M logits at once.
 - **text K/V cache**: the key/value projections of the prompt depend only on the prompt, so when the processor
   sees the very same ``encoder_hidden_states`` tensor again (the SRD text cache hook guarantees that across the
-  steps of one request) it reuses them.
+  steps of one request) it reuses them; across requests they are kept per text row (``text_side``: the negative
+  prompt of every CFG request, a repeated prompt).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+from workers.engine.text_side import TextRows
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ class CrossAttnState:
     cond_row: int = 0
     # query-token indices the maps refer to (None: all tokens, in order)
     cache_kv: bool = True
+    # the request in progress' text rows, kept across requests (``text_side``); shared with the SRD text hook
+    text_rows: TextRows = field(default_factory=TextRows)
     _map_sum: torch.Tensor | None = field(default=None, repr=False)
     _map_terms: int = field(default=0, repr=False)
     _kv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
@@ -174,12 +179,12 @@ class ChorusCrossAttnProcessor:
         cached = state._kv.get(self.layer) if state.cache_kv else None
         if cached is not None and cached[0] is text:
             return cached[1], cached[2]
-        if getattr(attn, "fused_projections", False):
-            key, value = attn.to_kv(text).chunk(2, dim=-1)
-        else:
-            key, value = attn.to_k(text), attn.to_v(text)
-        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
+        rows = (
+            state.text_rows.project(text, f"kv{self.layer}", lambda row: _project_kv(attn, row))
+            if state.cache_kv
+            else None
+        )
+        key, value = _project_kv(attn, text) if rows is None else rows
         if state.cache_kv:
             state._kv[self.layer] = (text, key, value)
         return key, value
@@ -218,6 +223,15 @@ class ChorusCrossAttnProcessor:
         bias = mask[row].float().reshape(1, 1, -1) if mask is not None else None
         state._map_keys[self.layer] = (key, mask, keys_t, bias)
         return keys_t, bias
+
+
+def _project_kv(attn: Any, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text's cross-attention keys (normalized) and values, per head: a row-wise function of ``text``."""
+    if getattr(attn, "fused_projections", False):
+        key, value = attn.to_kv(text).chunk(2, dim=-1)
+    else:
+        key, value = attn.to_k(text), attn.to_v(text)
+    return attn.norm_k(key).unflatten(2, (attn.heads, -1)), value.unflatten(2, (attn.heads, -1))
 
 
 def install_cross_attn_processors(transformer: Any, state: CrossAttnState) -> dict[str, Any]:
