@@ -17,7 +17,9 @@ Reading, two ways:
 
 - a finished donor (SOLO/LEADER orders): ``prefetch`` (called by the engine's ``prefetch_donor``) downloads the
   header and every step the plan needs before the engine starts, so a missing, corrupt or unreadable donor is found
-  out up front and the request runs in full;
+  out up front and the request runs in full. A worker publishes its result before the last of its trajectory is
+  stored, so an object a finished donor's reader does not find yet is looked for again for up to ``grace_s`` (all
+  objects together) before the donor is called gone;
 - a running leader (FOLLOWER orders): each accessor polls S3 for its object every ``poll_s`` until ``wait_s`` has
   passed since it began waiting, then raises ``DonorWaitExpired`` for that object (the engine computes that step in
   full). Once one wait has run out the leader is taken to be gone: later objects are looked up once, not waited
@@ -27,11 +29,14 @@ Reading, two ways:
 
 Writing, from a background thread so the denoising loop never waits for S3: streamed, the header first, then
 each step as the engine reports it; packed, the whole trajectory once the engine is done (``on_done``), while
-the worker encodes the video. ``finish`` waits for that and uploads whatever is still missing.
+the worker encodes the video. ``finish`` waits for that and uploads whatever is still missing;
+``planned_report`` says what it will have stored (each object not stored yet is encoded then, so the sizes are
+exact) and ``finish_in_background`` runs ``finish`` after the result has left.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -58,6 +63,9 @@ from workers.store import ObjectCorrupt, ObjectMissing, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 
+# How often a finished donor's reader looks again for an object still being uploaded (``S3DonorSource.grace_s``).
+GRACE_POLL_S = 0.01
+
 
 class S3DonorSource:
     """A ``DonorSource`` reading one trajectory from S3 (see the module docstring)."""
@@ -69,6 +77,7 @@ class S3DonorSource:
         *,
         wait_s: float = 0.0,
         poll_s: float = 0.2,
+        grace_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -78,6 +87,10 @@ class S3DonorSource:
         self.prefix = prefix
         self.wait_s = wait_s
         self.poll_s = poll_s
+        self.grace_s = grace_s
+        self._grace_until: float | None = (
+            None  # one grace for the whole source, from its first missing object
+        )
         self._clock = clock
         self._sleep = sleep
         self._meta: TrajectoryMeta | None = None
@@ -171,6 +184,8 @@ class S3DonorSource:
                 self.bytes_read += len(data)
                 return data
             if self.wait_s <= 0:
+                if self._in_grace():
+                    continue
                 raise DonorMissing(f"donor {what} is not in the store ({self.store.uri(key)})")
             if self._gave_up:
                 raise DonorUnavailable(f"donor {what} is not in the store ({self.store.uri(key)})")
@@ -187,6 +202,19 @@ class S3DonorSource:
                     f"donor {what} was not uploaded within {self.wait_s:g} s ({self.store.uri(key)})"
                 )
             self._sleep(min(self.poll_s, deadline - now))
+
+    def _in_grace(self) -> bool:
+        """A finished donor's result can arrive before the last of its upload: poll a short while (all objects
+        together at most ``grace_s``) before calling a missing object gone."""
+        if self.grace_s <= 0:
+            return False
+        now = self._clock()
+        if self._grace_until is None:
+            self._grace_until = now + self.grace_s
+        if now >= self._grace_until:
+            return False
+        self._sleep(min(GRACE_POLL_S, self._grace_until - now))
+        return True
 
     def _abandoned(self) -> bool:
         try:
@@ -233,7 +261,8 @@ class TrajectoryUploader:
         self.storage_dtype: StorageDType = storage_dtype
         self.pack_max_bytes = pack_max_bytes
         self._packed: bool | None = None  # decided once the trajectory's shape is known
-        self._sizes: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}  # stored objects' sizes
+        self._blobs: dict[str, bytes] = {}  # objects encoded, not stored yet
         self._queue: queue.Queue[object] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: Exception | None = None
@@ -301,32 +330,78 @@ class TrajectoryUploader:
     def finish(self, trajectory: Trajectory) -> UploadReport:
         """Upload every part of ``trajectory`` not uploaded yet (header first); raises ``StoreError``."""
         self.stop()
-        if self._packs(trajectory.meta):
-            if header_key(self.prefix) not in self._sizes:
-                self._put_whole(trajectory)
-        else:
-            if header_key(self.prefix) not in self._sizes:
-                self._put_header(trajectory.meta, trajectory.initial)
-            for record in trajectory.steps:
-                if step_key(self.prefix, record.index) not in self._sizes:
-                    self._put_step(record)
+        for key, make in self._objects(trajectory):
+            if key not in self._sizes:
+                self._put(key, make)
+        return self._report(self._sizes)
+
+    def planned_report(self, trajectory: Trajectory) -> UploadReport:
+        """What ``finish`` will report once every object is stored: each object not stored yet is encoded now
+        (and kept for its upload), so the sizes are exact before the uploads end."""
+        sizes: dict[str, int] = {}
+        for key, make in self._objects(trajectory):
+            with self._lock:
+                size = self._sizes.get(key)
+            sizes[key] = size if size is not None else len(self._blob(key, make))
+        return self._report(sizes)
+
+    def finish_in_background(
+        self, trajectory: Trajectory, on_done: Callable[[UploadReport | Exception], None]
+    ) -> threading.Thread:
+        """``finish`` from a thread of its own; ``on_done`` gets its report or what ended it."""
+
+        def run() -> None:
+            try:
+                outcome: UploadReport | Exception = self.finish(trajectory)
+            except Exception as exc:  # reported, never lost with the thread
+                outcome = exc
+            on_done(outcome)
+
+        thread = threading.Thread(target=run, name=f"finish-{self.prefix}", daemon=True)
+        thread.start()
+        return thread
+
+    def _report(self, sizes: dict[str, int]) -> UploadReport:
         return UploadReport(
-            prefix=self.prefix,
-            objects=len(self._sizes),
-            bytes=sum(self._sizes.values()),
-            streamed=self.streamed,
+            prefix=self.prefix, objects=len(sizes), bytes=sum(sizes.values()), streamed=self.streamed
         )
 
+    def _objects(self, trajectory: Trajectory) -> list[tuple[str, Callable[[], bytes]]]:
+        """Every object of ``trajectory`` in upload order, each with how to encode it."""
+        dtype = self.storage_dtype
+        if self._packs(trajectory.meta):
+            return [(header_key(self.prefix), lambda: trajectory.to_bytes(dtype))]
+        meta, initial = trajectory.meta, trajectory.initial
+        objects: list[tuple[str, Callable[[], bytes]]] = [
+            (header_key(self.prefix), lambda: encode_header(meta, initial, storage_dtype=dtype))
+        ]
+        for record in trajectory.steps:
+            objects.append(
+                (step_key(self.prefix, record.index), functools.partial(encode_step, record, dtype))
+            )
+        return objects
+
     def _put_whole(self, trajectory: Trajectory) -> None:
-        stored = self.store.put(header_key(self.prefix), trajectory.to_bytes(self.storage_dtype))
-        self._sizes[stored.key] = stored.size
+        self._put(header_key(self.prefix), lambda: trajectory.to_bytes(self.storage_dtype))
 
     def _put_header(self, meta: TrajectoryMeta, initial: torch.Tensor) -> None:
-        data = encode_header(meta, initial, storage_dtype=self.storage_dtype)
-        stored = self.store.put(header_key(self.prefix), data)
-        self._sizes[stored.key] = stored.size
+        self._put(
+            header_key(self.prefix), lambda: encode_header(meta, initial, storage_dtype=self.storage_dtype)
+        )
 
     def _put_step(self, record: StepRecord) -> None:
-        data = encode_step(record, self.storage_dtype)
-        stored = self.store.put(step_key(self.prefix, record.index), data)
-        self._sizes[stored.key] = stored.size
+        self._put(step_key(self.prefix, record.index), lambda: encode_step(record, self.storage_dtype))
+
+    def _blob(self, key: str, make: Callable[[], bytes]) -> bytes:
+        """``key``'s encoded object, encoded once whichever thread asks first (kept until it is stored)."""
+        with self._lock:
+            data = self._blobs.get(key)
+            if data is None:
+                data = self._blobs[key] = make()
+        return data
+
+    def _put(self, key: str, make: Callable[[], bytes]) -> None:
+        stored = self.store.put(key, self._blob(key, make))
+        with self._lock:
+            self._sizes[stored.key] = stored.size
+            self._blobs.pop(key, None)

@@ -9,6 +9,10 @@ request run in full, and the result's ``fallback`` says why. The engine decides 
 that fails for any other reason (model not loadable, engine error, video encoding, the video upload, the soft time
 limit) is answered with a ``failed`` result carrying an error code and message. The result keeps the scheduler's
 plan and donor as they were planned; ``fallback`` and ``steps_computed`` tell what actually happened.
+
+The result leaves once the video is stored (``WorkerSettings.result_before_trajectory``): what of the trajectory
+did not stream while the engine ran is uploaded after it, and readers of a finished donor allow for that
+(``S3DonorSource.grace_s``).
 """
 
 from __future__ import annotations
@@ -28,14 +32,14 @@ from producer.orders import Role, WorkOrder, trajectory_prefix, video_key
 from producer.readiness import ReadinessEvent
 from workers import metrics as worker_metrics
 from workers import video
-from workers.donors import S3DonorSource, TrajectoryUploader
+from workers.donors import S3DonorSource, TrajectoryUploader, UploadReport
 from workers.engine.bundle import ModelBundle
 from workers.engine.engine import Engine, GenerationOutput
 from workers.engine.errors import ModelUnavailable
 from workers.engine.fallback import FallbackCause
 from workers.engine.registry import MID_CONFIG, build_random_wan_bundle, load_bundle
 from workers.engine.request_run import PrefetchedDonor, donor_steps, prefetch_donor
-from workers.engine.trajectory import StepRecord
+from workers.engine.trajectory import StepRecord, Trajectory
 from workers.failures import FailureCode
 from workers.results import (
     PhaseClock,
@@ -51,6 +55,8 @@ from workers.store import ObjectStore, StoreError, store_for
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
+# How long a stopping worker waits for the trajectories still uploading after their results left.
+UPLOADS_AT_EXIT_S = 60.0
 
 
 # --- models: loaded once per process ------------------------------------------------------------------------
@@ -161,6 +167,8 @@ class Runner:
         self.settings = settings
         self._store = store
         self.publisher = publisher or ResultPublisher(settings)
+        self._uploads: list[threading.Thread] = []  # trajectories still uploading after their results left
+        self._uploads_lock = threading.Lock()
 
     @property
     def store(self) -> ObjectStore:
@@ -308,7 +316,9 @@ class Runner:
                 self.store, donor.trajectory_prefix, wait_s=donor.wait_s, poll_s=self.settings.follower_poll_s
             )
             return follower, follower
-        source = S3DonorSource(self.store, donor.trajectory_prefix)
+        source = S3DonorSource(
+            self.store, donor.trajectory_prefix, grace_s=self.settings.donor_upload_grace_s
+        )
         with clock.phase("fetch"):
             given = prefetch_donor(source, plan, request.num_steps, name=donor.request_id)
         if given.source is None:
@@ -373,6 +383,10 @@ class Runner:
             uploader.stop()  # no result will name this trajectory: stop streaming it before the request fails
             raise
         with clock.phase("upload"):
+            if self.settings.result_before_trajectory:
+                report = uploader.planned_report(output.trajectory)
+                self._finish_later(order, uploader, output.trajectory)
+                return stored_video.uri, self.store.uri(report.prefix), report.bytes
             try:
                 report = uploader.finish(output.trajectory)
             except StoreError as exc:
@@ -382,6 +396,40 @@ class Runner:
                 self._discard_trajectory(job, uploader)
                 return stored_video.uri, None, 0
         return stored_video.uri, self.store.uri(report.prefix), report.bytes
+
+    def _finish_later(self, order: WorkOrder, uploader: TrajectoryUploader, trajectory: Trajectory) -> None:
+        """The rest of the trajectory's upload goes on after the result leaves (the result names its exact size).
+        A reader that comes before it ends waits for it (``S3DonorSource.grace_s``); if it fails, the objects are
+        deleted, and the first reader's ``donor_gone`` makes the scheduler evict the entry."""
+        job, request_id = order.request.job_id, order.request.request_id
+        started = time.perf_counter()
+
+        def done(outcome: UploadReport | Exception) -> None:
+            seconds = round(time.perf_counter() - started, 4)
+            if isinstance(outcome, Exception):
+                log.warning(
+                    "trajectory not stored after its result left; deleting it",
+                    extra={"request_id": request_id, "error": repr(outcome), "seconds": seconds},
+                )
+                self._discard_trajectory(job, uploader)
+            else:
+                log.info(
+                    "trajectory stored",
+                    extra={"request_id": request_id, "objects": outcome.objects, "after_result_s": seconds},
+                )
+
+        thread = uploader.finish_in_background(trajectory, done)
+        with self._uploads_lock:
+            self._uploads = [t for t in self._uploads if t.is_alive()] + [thread]
+
+    def wait_for_uploads(self, timeout_s: float | None = None) -> bool:
+        """Wait for the trajectories still uploading (shutdown, tests); whether they all ended in time."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._uploads_lock:
+            pending = list(self._uploads)
+        for thread in pending:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in pending)
 
     def _discard_trajectory(self, job: str, uploader: TrajectoryUploader) -> None:
         if not uploader.uploaded:
@@ -455,8 +503,17 @@ def runner_for(settings: WorkerSettings) -> Runner:
     return runner
 
 
+def wait_for_uploads(timeout_s: float | None = None) -> bool:
+    """Wait for the trajectories this process' runners still upload; whether they all ended in time (each
+    runner gets the whole timeout)."""
+    return all([runner.wait_for_uploads(timeout_s) for runner in list(_RUNNERS.values())])
+
+
 def close_runners() -> None:
-    """Flush and close every runner's Kafka producer (worker process shutdown, tests)."""
+    """Let every runner's trajectory uploads end, then flush and close its Kafka producer (worker process
+    shutdown, tests)."""
+    if not wait_for_uploads(UPLOADS_AT_EXIT_S):
+        log.warning("trajectory uploads still running at exit", extra={"timeout_s": UPLOADS_AT_EXIT_S})
     for runner in _RUNNERS.values():
         runner.publisher.close()
     _RUNNERS.clear()

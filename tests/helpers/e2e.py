@@ -34,6 +34,7 @@ from producer.orders import (
     video_key,
 )
 from producer.sdk import ChorusClient, ResultWatcher
+from tests.helpers.stored import stored_objects
 from workers.donors import S3DonorSource
 
 MODEL = "tiny-random-wan"
@@ -213,7 +214,7 @@ def check_stored(stack: EmbeddedStack, result: GenerationResult) -> None:
     assert store.exists(video_key(rid, "mp4"))
     prefix = trajectory_prefix(rid)
     assert result.trajectory_uri == store.uri(prefix)
-    sizes = {o.key: o.size for o in store.list(prefix)}
+    sizes = stored_objects(store, prefix, result.trajectory_bytes)
     streamed = {header_key(prefix)} | {step_key(prefix, i) for i in range(result.steps_requested)}
     assert set(sizes) in ({header_key(prefix)}, streamed)
     assert result.trajectory_bytes == sum(sizes.values())

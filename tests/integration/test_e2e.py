@@ -71,6 +71,7 @@ from tests.helpers.e2e import (
     wait_for,
     wait_results,
 )
+from tests.helpers.stored import stored_objects
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -286,6 +287,9 @@ def test_a_donor_deleted_between_planning_and_fetch_runs_in_full_and_says_why(st
     first = submit_and_wait(stack, donor)[donor.request_id]
     assert first.status is ResultStatus.DONE and first.donor is None, first.error
     stack.wait_idle(timeout_s=WAIT_S)  # indexed as a ready donor
+    stored_objects(
+        stack.object_store(), trajectory_prefix(donor.job_id), first.trajectory_bytes
+    )  # all uploaded
     with donor_index(stack) as index:
         entry = index.get(donor.job_id)
         assert entry is not None and entry.ready
@@ -373,8 +377,10 @@ def test_a_follower_whose_leader_never_runs_completes_in_full_after_its_deadline
 def test_a_donor_found_missing_at_fetch_is_not_planned_again(stack: EmbeddedStack) -> None:
     tenant, prompt = "gone", "a brown horse running on a sandy beach"
     donor = request("gone-donor", prompt, tenant, seed=1)
-    assert submit_and_wait(stack, donor)[donor.request_id].status is ResultStatus.DONE
+    stored = submit_and_wait(stack, donor)[donor.request_id]
+    assert stored.status is ResultStatus.DONE
     stack.wait_idle(timeout_s=WAIT_S)
+    stored_objects(stack.object_store(), trajectory_prefix(donor.job_id), stored.trajectory_bytes)  # uploaded
     stack.object_store().delete_prefix(trajectory_prefix(donor.job_id))  # lost outside Chorus' control
     # A paraphrase is planned with the donor, finds it missing and runs in full; it becomes a donor itself.
     first = request("gone-first", prompt.replace(" on ", " across "), tenant, seed=2)

@@ -27,8 +27,9 @@ from producer.contract import ResultStatus, build_request
 from producer.local.config import StackError, StackOptions
 from producer.local.stack import EmbeddedStack
 from producer.local.standins import read_snapshot
-from producer.orders import trajectory_header_key, video_key
+from producer.orders import trajectory_header_key, trajectory_prefix, video_key
 from producer.sdk import ChorusClient
+from tests.helpers.stored import stored_objects
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -85,7 +86,9 @@ def test_the_stack_serves_stops_cleanly_and_restarts_with_its_objects_and_donors
         assert first.donor is None and first.steps_computed == first.steps_requested
         store = stack.object_store()
         assert store.exists(video_key("stack-first", "mp4"))
-        assert store.exists(trajectory_header_key("stack-first"))
+        assert trajectory_header_key("stack-first") in stored_objects(
+            store, trajectory_prefix("stack-first"), first.trajectory_bytes
+        )
         # A model no worker of this stack serves (as the README's kcat example, against the demo stack): a clear
         # rejection within seconds, not an order that waits in a queue forever.
         started = time.monotonic()

@@ -35,13 +35,16 @@ from producer.orders import (
     WorkOrder,
     header_key,
     queue_for,
+    step_key,
     trajectory_prefix,
 )
 from producer.sdk import ResultWatcher
+from tests.helpers.stored import stored_objects
 from workers.app import create_app
 from workers.engine.trajectory import decode_head
+from workers.runner import wait_for_uploads
 from workers.settings import WorkerSettings
-from workers.store import ObjectStore
+from workers.store import ObjectStore, StoredObject, StoreError
 
 pytestmark = pytest.mark.integration
 
@@ -116,10 +119,12 @@ def order_for(request: GenerationRequest, plan: ReusePlan | None = None, **field
 
 
 def run(client: Celery, results: ResultWatcher, order: WorkOrder) -> tuple[GenerationResult, dict[str, Any]]:
-    """Dispatch one order; return its result from the results topic and the Celery task's summary."""
+    """Dispatch one order; return its result from the results topic and the Celery task's summary, once the
+    worker (in this process) has also stored the trajectory, which it finishes after the result."""
     async_result = send_generate(client, order)
     (result,) = list(results.wait([order.request.request_id], timeout_s=RESULT_TIMEOUT_S))
     summary = async_result.get(timeout=60)
+    assert wait_for_uploads(60)
     assert summary["request_id"] == order.request.request_id
     return result, summary
 
@@ -172,7 +177,7 @@ def test_a_solo_order_publishes_its_result_and_stores_video_and_trajectory(
     # reported exactly.
     prefix = trajectory_prefix(request.request_id)
     assert result.trajectory_uri == store.uri(prefix)
-    objects = {o.key: o.size for o in store.list(prefix)}
+    objects = stored_objects(store, prefix, result.trajectory_bytes)
     assert set(objects) == {header_key(prefix)}
     assert result.trajectory_bytes == sum(objects.values())
     meta, _, steps = decode_head(store.get_verified(header_key(prefix)))
@@ -466,3 +471,50 @@ def test_a_leader_that_fails_midway_leaves_no_partial_trajectory(
     assert list(store.list(trajectory_prefix(request.request_id))) == []
     (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
     assert published.status is ResultStatus.FAILED
+
+
+class _LastStepRefused(ObjectStore):
+    """The real store, except that every write of ``refused`` fails (as a full or failing bucket would)."""
+
+    refused = ""
+
+    def put(
+        self, key: str, data: bytes, content_type: str = "application/octet-stream", *, retry: bool = True
+    ) -> StoredObject:
+        if key == self.refused:
+            raise StoreError(f"refused {key} on purpose")
+        return super().put(key, data, content_type, retry=retry)
+
+
+def test_a_trajectory_whose_upload_fails_after_the_result_left_is_deleted(
+    wsettings: WorkerSettings,
+    results: ResultWatcher,
+    store: ObjectStore,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from workers.runner import Runner
+
+    caplog.set_level(logging.INFO, logger="workers.runner")
+    request = request_like("a donor whose last step cannot be stored")
+    prefix = trajectory_prefix(request.request_id)
+    failing = _LastStepRefused(store.endpoint, store.bucket, access_key="test", secret_key="test")
+    failing.refused = step_key(prefix, request.num_steps - 1)
+    runner = Runner(wsettings.model_copy(update={"trajectory_pack_max_bytes": 0}), store=failing)
+    try:
+        result = runner.handle(order_for(request).model_dump_json(), worker="test")
+        assert runner.wait_for_uploads(60)
+    finally:
+        runner.publisher.close()
+    # The result left before the upload ended, naming the trajectory and its exact size ...
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.trajectory_uri == store.uri(prefix) and result.trajectory_bytes > 0
+    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    assert published == result
+    # ... and when the upload then failed, what had been stored was deleted: a reader finds the donor gone
+    # (``donor_gone``, and the scheduler evicts it) instead of a trajectory without its last step.
+    failed = [
+        r for r in caplog.records if r.getMessage().startswith("trajectory not stored after its result")
+    ]
+    assert len(failed) == 1 and "refused" in failed[0].__dict__["error"]
+    assert list(store.list(prefix)) == []
+    assert store.exists(f"videos/{request.request_id}.mp4")

@@ -26,6 +26,7 @@ from producer.contract import ResultStatus, ReusePlan, build_request
 from producer.local.standins import EmbeddedService
 from producer.orders import DonorRef, Role, WorkOrder, header_key, heartbeat_of, step_key, trajectory_prefix
 from producer.sdk import ResultWatcher, read_requests
+from tests.helpers.stored import stored_objects
 from workers.settings import WorkerSettings
 from workers.store import ObjectStore
 
@@ -144,7 +145,7 @@ def test_a_follower_streams_the_steps_of_a_leader_that_starts_after_it(
     assert lead.status is ResultStatus.DONE and follow.status is ResultStatus.DONE, (lead.error, follow.error)
     assert lead.steps_computed == 6 and lead.fallback is None
     prefix = trajectory_prefix(leader.request_id)
-    assert {o.key for o in store.list(prefix)} == {header_key(prefix)} | {
+    assert set(stored_objects(store, prefix, lead.trajectory_bytes)) == {header_key(prefix)} | {
         step_key(prefix, i) for i in range(6)
     }
     # The follower used the leader's trajectory: Stage 1 skipped, no fallback.

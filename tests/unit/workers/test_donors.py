@@ -22,8 +22,8 @@ from producer.orders import (
     trajectory_prefix,
     trajectory_step_key,
 )
-from workers.donors import S3DonorSource, TrajectoryUploader
-from workers.engine.errors import CorruptTrajectory, DonorUnavailable
+from workers.donors import S3DonorSource, TrajectoryUploader, UploadReport
+from workers.engine.errors import CorruptTrajectory, DonorMissing, DonorUnavailable
 from workers.engine.trajectory import (
     StepRecord,
     Trajectory,
@@ -328,3 +328,69 @@ def test_a_packed_trajectory_without_a_step_in_range_is_corrupt(store: ObjectSto
     assert_same_record(source.step(1), traj.steps[1])
     with pytest.raises(CorruptTrajectory, match="holds no step 2"):
         source.step(2)
+
+
+@pytest.mark.parametrize("pack_max_bytes", [0, 1 << 20], ids=["streamed", "packed"])
+def test_the_planned_report_is_exact_before_the_uploads_end_and_finishing_later_stores_it(
+    store: ObjectStore, pack_max_bytes: int
+) -> None:
+    traj = make_trajectory(f"early-{pack_max_bytes}", steps=3)
+    prefix = trajectory_prefix(traj.meta.request_id)
+    uploader = TrajectoryUploader(store, prefix, pack_max_bytes=pack_max_bytes)
+    uploader.start()
+    uploader.on_start(Trajectory(traj.meta, traj.initial))
+    for record in traj.steps:
+        uploader.on_step(record)
+    uploader.on_done(traj)
+    planned = uploader.planned_report(traj)
+    outcomes: list[object] = []
+    uploader.finish_in_background(traj, outcomes.append).join(10)
+
+    (done,) = outcomes
+    assert isinstance(done, UploadReport)
+    assert (done.prefix, done.objects, done.bytes) == (planned.prefix, planned.objects, planned.bytes)
+    stored = {o.key: o.size for o in store.list(prefix)}
+    assert planned.objects == len(stored) == (1 if pack_max_bytes else 4)
+    assert planned.bytes == sum(stored.values())
+
+
+def test_finishing_later_hands_a_failed_upload_to_its_callback(store: ObjectStore) -> None:
+    traj = make_trajectory("early-fails", steps=2)
+    broken = ObjectStore(
+        store.endpoint, "no-such-bucket-here", access_key="test", secret_key="test", write_retry_s=0
+    )
+    uploader = TrajectoryUploader(broken, trajectory_prefix("early-fails"))
+    outcomes: list[object] = []
+    uploader.finish_in_background(traj, outcomes.append).join(30)
+    assert len(outcomes) == 1 and isinstance(outcomes[0], Exception)
+
+
+def test_a_finished_donor_still_uploading_is_waited_for_within_its_grace(store: ObjectStore) -> None:
+    traj = make_trajectory("late-tail", steps=3)
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    upload_step(store, traj, prefix, 0)
+    clock = FakeClock()
+    clock.on_sleep[4] = lambda: upload_step(
+        store, traj, prefix, 1
+    )  # the tail lands during the 4th poll's wait
+    source = S3DonorSource(store, prefix, grace_s=1.0, clock=clock, sleep=clock.sleep)
+    source.prefetch(range(2))
+    assert_same_record(source.step(1), traj.steps[1])
+    assert len(clock.sleeps) == 4 and clock.now - 100.0 < 1.0
+    assert not store.exists(abandoned_key(prefix))  # not a follower's wait: nothing marked
+
+
+def test_a_finished_donor_that_is_gone_costs_at_most_its_grace_in_all(store: ObjectStore) -> None:
+    traj = make_trajectory("gone-tail", steps=3)
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    clock = FakeClock()
+    source = S3DonorSource(store, prefix, grace_s=0.05, clock=clock, sleep=clock.sleep)
+    with pytest.raises(DonorMissing, match="step 0 is not in the store"):
+        source.step(0)
+    assert clock.now - 100.0 == pytest.approx(0.05)
+    with pytest.raises(DonorMissing, match="step 1 is not in the store"):
+        source.step(1)  # the grace is spent: no second wait
+    assert clock.now - 100.0 == pytest.approx(0.05)
+    assert not store.exists(abandoned_key(prefix))

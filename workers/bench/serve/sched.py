@@ -492,6 +492,9 @@ def _profile_summary(
     time across both consumer threads."""
     merged: pstats.Stats | None = None
     for profile in profiles.values():
+        profile.create_stats()
+        if not getattr(profile, "stats", None):
+            continue  # a thread that ran nothing while profiled (no result came back in that drain, say)
         stats = pstats.Stats(profile)
         if merged is None:
             merged = stats

@@ -72,7 +72,9 @@ def _count_batches(module: torch.nn.Module, counts: Counter[str], name: str) -> 
     return module.register_forward_hook(hook)
 
 
-def test_a_prompt_seen_before_skips_the_text_projection_and_cross_attention_kv(tiny_bundle, make_request) -> None:
+def test_a_prompt_seen_before_skips_the_text_projection_and_cross_attention_kv(
+    tiny_bundle, make_request
+) -> None:
     engine = Engine(tiny_bundle)
     transformer: Any = tiny_bundle.transformer
     counts: Counter[str] = Counter()

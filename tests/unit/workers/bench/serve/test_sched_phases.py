@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from workers.bench.serve.sched import PHASE_FUNCTIONS
+import cProfile
+
+from workers.bench.serve.sched import PHASE_FUNCTIONS, _profile_summary
 from workers.bench.serve.sched_direct import PHASES, phase_ms
 
 
@@ -35,3 +37,15 @@ def test_the_backlog_report_keeps_its_phase_names() -> None:
         "dispatch",
         "feedback",
     }
+
+
+def test_a_thread_that_ran_nothing_while_profiled_is_left_out_of_the_summary() -> None:
+    busy, idle = cProfile.Profile(), cProfile.Profile()
+    busy.enable()
+    sum(range(1000))
+    busy.disable()
+    idle.enable()
+    idle.disable()  # e.g. the feedback thread in a drain no result came back during
+    phases, top = _profile_summary({"intake": busy, "feedback": idle}, handled=10)
+    assert phases["all_handlers"] >= 0 and any("ncalls" in line for line in top)
+    assert _profile_summary({"feedback": cProfile.Profile()}, handled=10) == ({}, [])
