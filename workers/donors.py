@@ -88,9 +88,9 @@ class S3DonorSource:
         self.wait_s = wait_s
         self.poll_s = poll_s
         self.grace_s = grace_s
-        self._grace_until: float | None = (
-            None  # one grace for the whole source, from its first missing object
-        )
+        # one grace for the whole source, from its first missing object
+        self._grace_until: float | None = None
+        self._grace_polls = 0
         self._clock = clock
         self._sleep = sleep
         self._meta: TrajectoryMeta | None = None
@@ -213,7 +213,10 @@ class S3DonorSource:
             self._grace_until = now + self.grace_s
         if now >= self._grace_until:
             return False
-        self._sleep(min(GRACE_POLL_S, self._grace_until - now))
+        # 10 ms at first (a tail is usually that close), doubling to 0.2 s (a gone donor costs few requests)
+        poll = min(GRACE_POLL_S * 2 ** min(self._grace_polls, 5), 0.2, self._grace_until - now)
+        self._grace_polls += 1
+        self._sleep(poll)
         return True
 
     def _abandoned(self) -> bool:
@@ -340,9 +343,14 @@ class TrajectoryUploader:
         (and kept for its upload), so the sizes are exact before the uploads end."""
         sizes: dict[str, int] = {}
         for key, make in self._objects(trajectory):
-            with self._lock:
+            with self._lock:  # one section: a key is either stored or encoded here, never both
                 size = self._sizes.get(key)
-            sizes[key] = size if size is not None else len(self._blob(key, make))
+                if size is None:
+                    data = self._blobs.get(key)
+                    if data is None:
+                        data = self._blobs[key] = make()
+                    size = len(data)
+            sizes[key] = size
         return self._report(sizes)
 
     def finish_in_background(

@@ -55,8 +55,10 @@ from workers.store import ObjectStore, StoreError, store_for
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-# How long a stopping worker waits for the trajectories still uploading after their results left.
+# How long a stopping worker waits for the trajectories still uploading after their results left, and how many
+# may be uploading at once before the next result waits for the oldest.
 UPLOADS_AT_EXIT_S = 60.0
+MAX_UPLOADS_IN_FLIGHT = 4
 
 
 # --- models: loaded once per process ------------------------------------------------------------------------
@@ -167,7 +169,8 @@ class Runner:
         self.settings = settings
         self._store = store
         self.publisher = publisher or ResultPublisher(settings)
-        self._uploads: list[threading.Thread] = []  # trajectories still uploading after their results left
+        # trajectory prefix → the thread still uploading it after its result left
+        self._uploads: dict[str, threading.Thread] = {}
         self._uploads_lock = threading.Lock()
 
     @property
@@ -214,7 +217,13 @@ class Runner:
             )
         else:
             result = self._run_safely(order, worker, progress, started)
-        self.publisher.publish(result)
+        try:
+            self.publisher.publish(result)
+        except BaseException:
+            # The order will run again: this attempt's trajectory upload ends first, so that it cannot write to
+            # (or, failing, delete) the retry's objects under the same prefix.
+            self.wait_for_uploads(prefix=trajectory_prefix(order.request.job_id))
+            raise
         worker_metrics.observe_result(result, order)
         return result
 
@@ -418,15 +427,22 @@ class Runner:
                     extra={"request_id": request_id, "objects": outcome.objects, "after_result_s": seconds},
                 )
 
+        with self._uploads_lock:
+            self._uploads = {p: t for p, t in self._uploads.items() if t.is_alive()}
+            backlog = list(self._uploads.values())
+        # Back-pressure: a slow store must not pile up threads, each holding a trajectory.
+        for thread in backlog[: max(0, len(backlog) - MAX_UPLOADS_IN_FLIGHT + 1)]:
+            thread.join()
         thread = uploader.finish_in_background(trajectory, done)
         with self._uploads_lock:
-            self._uploads = [t for t in self._uploads if t.is_alive()] + [thread]
+            self._uploads[uploader.prefix] = thread
 
-    def wait_for_uploads(self, timeout_s: float | None = None) -> bool:
-        """Wait for the trajectories still uploading (shutdown, tests); whether they all ended in time."""
+    def wait_for_uploads(self, timeout_s: float | None = None, *, prefix: str | None = None) -> bool:
+        """Wait for the trajectories still uploading (shutdown, tests, an eviction or a retry of ``prefix``);
+        whether they all ended in time."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._uploads_lock:
-            pending = list(self._uploads)
+            pending = [t for p, t in self._uploads.items() if prefix is None or p == _slash(prefix)]
         for thread in pending:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in pending)
@@ -503,10 +519,14 @@ def runner_for(settings: WorkerSettings) -> Runner:
     return runner
 
 
-def wait_for_uploads(timeout_s: float | None = None) -> bool:
-    """Wait for the trajectories this process' runners still upload; whether they all ended in time (each
-    runner gets the whole timeout)."""
-    return all([runner.wait_for_uploads(timeout_s) for runner in list(_RUNNERS.values())])
+def wait_for_uploads(timeout_s: float | None = None, *, prefix: str | None = None) -> bool:
+    """Wait for the trajectories (or the one under ``prefix``) this process' runners still upload; whether they
+    all ended in time (each runner gets the whole timeout)."""
+    return all([r.wait_for_uploads(timeout_s, prefix=prefix) for r in list(_RUNNERS.values())])
+
+
+def _slash(prefix: str) -> str:
+    return prefix if prefix.endswith("/") else prefix + "/"
 
 
 def close_runners() -> None:

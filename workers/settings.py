@@ -48,7 +48,7 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     # The transformer's prompt-only work (text projection, every block's cross-attention K/V) kept per prompt for
     # as many prompts as the prompt cache, within this many MiB: the negative prompt of every CFG request and a
     # repeated prompt skip it (mid model: a Stage-1 hit computing one step 0.40 -> 0.22 s). 0 turns it off.
-    text_cache_mb: int = Field(default=256, ge=0, le=1_000_000)
+    text_cache_mb: int = Field(default=1024, ge=0, le=1_000_000)
     # Torch threads per model on a CPU worker (JSON in CHORUS_TORCH_THREADS, e.g. {"toy": 1}); a model not
     # named runs on torch's default, one per core. The toy model's steps are too small for a second thread,
     # which mostly spins waiting and takes the core from the scheduler beside it (chorus bench serve --quick,

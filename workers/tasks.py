@@ -12,6 +12,7 @@ Neither task lets an exception escape for bad input or a failed generation: the 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -125,6 +126,10 @@ def _heartbeat(beat: Any, interval_s: float) -> Iterator[None]:
         thread.join()
 
 
+# How long an eviction waits for this process' upload of the same trajectory (its result left before it ended).
+EVICT_WAITS_FOR_UPLOAD_S = 30.0
+
+
 def evict(self: Task, order_json: str) -> dict[str, Any]:
     """Delete every object under the trajectory prefix of each evicted donor (idempotent)."""
     try:
@@ -133,6 +138,12 @@ def evict(self: Task, order_json: str) -> dict[str, Any]:
         log.error("evict order rejected", extra={"error": str(exc).splitlines()[0], "raw": order_json[:500]})
         return {"error": "invalid_order", "deleted": {}}
     store = store_for(settings_of(self.app))
+    runner = sys.modules.get("workers.runner")  # not imported: this process ran no order, uploads nothing
+    if runner is not None:
+        for prefix in order.prefixes:
+            # A donor evicted right after its result may still be uploading here: deleting first would leave
+            # the rest behind, indexed by nothing. (Another process' upload is not seen: it can leave orphans.)
+            runner.wait_for_uploads(EVICT_WAITS_FOR_UPLOAD_S, prefix=prefix)
     deleted = {
         rid: store.delete_prefix(prefix)
         for rid, prefix in zip(order.request_ids, order.prefixes, strict=True)

@@ -16,7 +16,7 @@ Public API — the worker, the benchmark and the demo call exactly this::
 
 Signatures
     load_bundle(name, *, device="cpu", dtype="float32", wan21_dir=None, toy_weights_dir=None) -> ModelBundle
-    Engine(bundle, *, record_attn_maps=True, cache_text=True, prompt_cache_size=64, text_cache_bytes=256 MiB)
+    Engine(bundle, *, record_attn_maps=True, cache_text=True, prompt_cache_size=64, text_cache_bytes=1 GiB)
     Engine.generate(request, plan, donor=None, *, on_step=None, on_start=None, progress=False,
                     refuse_incompatible=True) -> GenerationOutput
     prefetch_donor(source, plan, num_steps, *, name) -> PrefetchedDonor   (request_run: read a finished donor now)

@@ -163,6 +163,7 @@ class _TextCacheHook(ModelHook):
         out = forward(*args, **kwargs) if rows is None else rows[0]
         if ctx.cache_text:
             ctx._text_in, ctx._text_out = text, out
+        if rows is not None:
             ctx.text_rows.derived(out)  # the cross-attention keys and values are row-wise functions of it
         return out
 

@@ -25,8 +25,9 @@ import torch
 RowKey = tuple[str, str]  # (weights id, prompt): the same key as the prompt-encoding cache's
 Parts = tuple[torch.Tensor, ...]
 
-# A Wan2.1-1.3B prompt row holds ~6 MiB per block (K and V, 512 × 1536) plus its projection: 30 blocks ~190 MiB.
-DEFAULT_TEXT_CACHE_BYTES = 256 * 1024 * 1024
+# A Wan2.1-1.3B prompt row holds 6 MiB per block in float32 (K and V, 512 × 1536) plus its projection: 30 blocks
+# ~183 MiB (half in bfloat16); the default holds the negative prompt and a few prompts.
+DEFAULT_TEXT_CACHE_BYTES = 1024 * 1024 * 1024
 
 
 @dataclass
@@ -73,7 +74,10 @@ class TextSideCache:
         self.stats.hits += 1
         return found
 
-    def store(self, key: RowKey, part: str, tensors: Parts) -> None:
+    def store(self, key: RowKey, part: str, tensors: Parts, *, pinned: Sequence[RowKey] = ()) -> None:
+        """Keep ``tensors`` as ``key``'s ``part``, evicting the least recently used keys but ``pinned`` (the
+        request in progress' rows: evicting one mid-pass would only make the next request compute it again);
+        what does not fit beside the pinned keys is not kept."""
         if self.max_entries == 0 or self.max_bytes == 0:
             return
         row = self._rows.setdefault(key, {})
@@ -81,9 +85,15 @@ class TextSideCache:
         old = row.get(part)
         self._bytes += _nbytes(tensors) - (_nbytes(old) if old is not None else 0)
         row[part] = tensors
-        while len(self._rows) > self.max_entries or (self._bytes > self.max_bytes and self._rows):
-            _, evicted = self._rows.popitem(last=False)  # the key just stored is the newest: it goes last
-            self._bytes -= sum(_nbytes(p) for p in evicted.values())
+        keep = {key, *pinned}
+        for victim in [k for k in self._rows if k not in keep]:
+            if len(self._rows) <= self.max_entries and self._bytes <= self.max_bytes:
+                return
+            self._bytes -= sum(_nbytes(p) for p in self._rows.pop(victim).values())
+        if self._bytes > self.max_bytes or len(self._rows) > self.max_entries:
+            self._bytes -= _nbytes(row.pop(part))  # the pinned rows alone are over the budget
+            if not row:
+                del self._rows[key]
 
 
 @dataclass
@@ -117,7 +127,7 @@ class TextRows:
             got = cache.lookup(key, part)
             if got is None:
                 got = compute(tensor[r : r + 1])
-                cache.store(key, part, got)
+                cache.store(key, part, got, pinned=self.keys)
             per_row.append(got)
         if len(per_row) == 1:
             return per_row[0]

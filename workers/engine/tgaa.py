@@ -228,7 +228,8 @@ class ChorusCrossAttnProcessor:
 def _project_kv(attn: Any, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The text's cross-attention keys (normalized) and values, per head: a row-wise function of ``text``."""
     if getattr(attn, "fused_projections", False):
-        key, value = attn.to_kv(text).chunk(2, dim=-1)
+        # contiguous copies: halves of one buffer would keep all of it alive in the text-side cache
+        key, value = (t.contiguous() for t in attn.to_kv(text).chunk(2, dim=-1))
     else:
         key, value = attn.to_k(text), attn.to_v(text)
     return attn.norm_k(key).unflatten(2, (attn.heads, -1)), value.unflatten(2, (attn.heads, -1))

@@ -108,3 +108,15 @@ def test_cached_rows_give_the_same_video_as_a_cold_cache_and_as_the_plain_model(
     plain = Engine(plain_bundle, cache_text=False).generate(request, ReusePlan.full(3))
     assert plain.trajectory is not None
     torch.testing.assert_close(from_cache.trajectory.latent_after(2), plain.trajectory.latent_after(2))
+
+
+def test_the_rows_of_the_request_in_progress_are_not_evicted_for_each_other() -> None:
+    cache = TextSideCache(max_entries=4, max_bytes=100)
+    cache.store(("w", "old"), "text", _parts(5))
+    pinned = [("w", "prompt"), ("w", "")]
+    cache.store(("w", "prompt"), "text", _parts(10), pinned=pinned)
+    cache.store(("w", ""), "text", _parts(11), pinned=pinned)  # 104 bytes: the unpinned key goes
+    assert cache.lookup(("w", "old"), "text") is None and cache.nbytes == 84
+    cache.store(("w", ""), "kv0", _parts(10), pinned=pinned)  # does not fit beside the pinned rows: not kept
+    assert cache.lookup(("w", ""), "kv0") is None and cache.nbytes == 84
+    assert cache.lookup(("w", "prompt"), "text") is not None and cache.lookup(("w", ""), "text") is not None
