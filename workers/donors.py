@@ -242,6 +242,10 @@ class UploadReport:
     streamed: int  # objects uploaded in the background (while the engine ran, or the video was encoded)
 
 
+# An object of a trajectory: its key, and how to encode it.
+_Object = tuple[str, Callable[[], bytes]]
+
+
 class TrajectoryUploader:
     """Writes one request's trajectory under ``prefix`` from a background thread (see the module docstring):
     packed into one object once the engine is done when it holds at most ``pack_max_bytes`` (0: never), else
@@ -290,16 +294,16 @@ class TrajectoryUploader:
 
     def on_start(self, trajectory: Trajectory) -> None:
         if self._thread is not None and not self._packs(trajectory.meta):
-            self._queue.put(("header", trajectory.meta, trajectory.initial))
+            self._queue.put(self._header_object(trajectory.meta, trajectory.initial))
 
     def on_step(self, record: StepRecord) -> None:
         if self._thread is not None and not self._packed:
-            self._queue.put(("step", record))
+            self._queue.put(self._step_object(record))
 
     def on_done(self, trajectory: Trajectory) -> None:
         """The engine finished: a packed trajectory is uploaded now, while the caller goes on."""
         if self._thread is not None and self._packs(trajectory.meta):
-            self._queue.put(("whole", trajectory))
+            self._queue.put(self._whole_object(trajectory))
 
     def _drain(self) -> None:
         while True:
@@ -310,12 +314,7 @@ class TrajectoryUploader:
                 continue  # after a failure nothing more is uploaded here; ``finish`` retries what is missing
             try:
                 assert isinstance(item, tuple)
-                if item[0] == "header":
-                    self._put_header(item[1], item[2])
-                elif item[0] == "whole":
-                    self._put_whole(item[1])
-                else:
-                    self._put_step(item[1])
+                self._put(*item)
                 with self._lock:
                     self.streamed += 1
             except Exception as exc:
@@ -345,12 +344,7 @@ class TrajectoryUploader:
         for key, make in self._objects(trajectory):
             with self._lock:  # one section: a key is either stored or encoded here, never both
                 size = self._sizes.get(key)
-                if size is None:
-                    data = self._blobs.get(key)
-                    if data is None:
-                        data = self._blobs[key] = make()
-                    size = len(data)
-            sizes[key] = size
+                sizes[key] = size if size is not None else len(self._encoded(key, make))
         return self._report(sizes)
 
     def finish_in_background(
@@ -374,42 +368,35 @@ class TrajectoryUploader:
             prefix=self.prefix, objects=len(sizes), bytes=sum(sizes.values()), streamed=self.streamed
         )
 
-    def _objects(self, trajectory: Trajectory) -> list[tuple[str, Callable[[], bytes]]]:
+    def _objects(self, trajectory: Trajectory) -> list[_Object]:
         """Every object of ``trajectory`` in upload order, each with how to encode it."""
-        dtype = self.storage_dtype
         if self._packs(trajectory.meta):
-            return [(header_key(self.prefix), lambda: trajectory.to_bytes(dtype))]
-        meta, initial = trajectory.meta, trajectory.initial
-        objects: list[tuple[str, Callable[[], bytes]]] = [
-            (header_key(self.prefix), lambda: encode_header(meta, initial, storage_dtype=dtype))
-        ]
-        for record in trajectory.steps:
-            objects.append(
-                (step_key(self.prefix, record.index), functools.partial(encode_step, record, dtype))
-            )
-        return objects
+            return [self._whole_object(trajectory)]
+        header = self._header_object(trajectory.meta, trajectory.initial)
+        return [header, *(self._step_object(record) for record in trajectory.steps)]
 
-    def _put_whole(self, trajectory: Trajectory) -> None:
-        self._put(header_key(self.prefix), lambda: trajectory.to_bytes(self.storage_dtype))
+    def _whole_object(self, trajectory: Trajectory) -> _Object:
+        return header_key(self.prefix), functools.partial(trajectory.to_bytes, self.storage_dtype)
 
-    def _put_header(self, meta: TrajectoryMeta, initial: torch.Tensor) -> None:
-        self._put(
-            header_key(self.prefix), lambda: encode_header(meta, initial, storage_dtype=self.storage_dtype)
-        )
+    def _header_object(self, meta: TrajectoryMeta, initial: torch.Tensor) -> _Object:
+        encode = functools.partial(encode_header, meta, initial, storage_dtype=self.storage_dtype)
+        return header_key(self.prefix), encode
 
-    def _put_step(self, record: StepRecord) -> None:
-        self._put(step_key(self.prefix, record.index), lambda: encode_step(record, self.storage_dtype))
+    def _step_object(self, record: StepRecord) -> _Object:
+        return step_key(self.prefix, record.index), functools.partial(encode_step, record, self.storage_dtype)
 
-    def _blob(self, key: str, make: Callable[[], bytes]) -> bytes:
-        """``key``'s encoded object, encoded once whichever thread asks first (kept until it is stored)."""
-        with self._lock:
-            data = self._blobs.get(key)
-            if data is None:
-                data = self._blobs[key] = make()
+    def _encoded(self, key: str, make: Callable[[], bytes]) -> bytes:
+        """``key``'s encoded object, encoded once whichever thread asks first and kept until it is stored (the
+        caller holds ``_lock``)."""
+        data = self._blobs.get(key)
+        if data is None:
+            data = self._blobs[key] = make()
         return data
 
     def _put(self, key: str, make: Callable[[], bytes]) -> None:
-        stored = self.store.put(key, self._blob(key, make))
+        with self._lock:
+            data = self._encoded(key, make)
+        stored = self.store.put(key, data)
         with self._lock:
             self._sizes[stored.key] = stored.size
             self._blobs.pop(key, None)

@@ -442,7 +442,7 @@ class Runner:
         whether they all ended in time."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._uploads_lock:
-            pending = [t for p, t in self._uploads.items() if prefix is None or p == _slash(prefix)]
+            pending = [t for p, t in self._uploads.items() if prefix is None or p == prefix]
         for thread in pending:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in pending)
@@ -523,10 +523,6 @@ def wait_for_uploads(timeout_s: float | None = None, *, prefix: str | None = Non
     """Wait for the trajectories (or the one under ``prefix``) this process' runners still upload; whether they
     all ended in time (each runner gets the whole timeout)."""
     return all([r.wait_for_uploads(timeout_s, prefix=prefix) for r in list(_RUNNERS.values())])
-
-
-def _slash(prefix: str) -> str:
-    return prefix if prefix.endswith("/") else prefix + "/"
 
 
 def close_runners() -> None:

@@ -60,10 +60,6 @@ class TextSideCache:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def clear(self) -> None:
-        self._rows.clear()
-        self._bytes = 0
-
     def lookup(self, key: RowKey, part: str) -> Parts | None:
         row = self._rows.get(key)
         found = row.get(part) if row is not None else None
