@@ -19,7 +19,8 @@ Reading, two ways:
   header and every step the plan needs before the engine starts, so a missing, corrupt or unreadable donor is found
   out up front and the request runs in full. A worker publishes its result before the last of its trajectory is
   stored, so an object a finished donor's reader does not find yet is looked for again for up to ``grace_s`` (all
-  objects together) before the donor is called gone;
+  objects together) before the donor is called gone — unless one of them arrived while it waited: an upload
+  that is alive but slower than the grace makes the request run in full and leaves the donor in place;
 - a running leader (FOLLOWER orders): each accessor polls S3 for its object every ``poll_s`` until ``wait_s`` has
   passed since it began waiting, then raises ``DonorWaitExpired`` for that object (the engine computes that step in
   full). Once one wait has run out the leader is taken to be gone: later objects are looked up once, not waited
@@ -31,7 +32,8 @@ Writing, from a background thread so the denoising loop never waits for S3: stre
 each step as the engine reports it; packed, the whole trajectory once the engine is done (``on_done``), while
 the worker encodes the video. ``finish`` waits for that and uploads whatever is still missing;
 ``planned_report`` says what it will have stored (each object not stored yet is encoded then, so the sizes are
-exact) and ``finish_in_background`` runs ``finish`` after the result has left.
+exact) and ``finish_in_background`` runs ``finish`` after the result has left, then checks that the trajectory was
+not evicted meanwhile (``delete_trajectory`` says how the two meet).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class S3DonorSource:
         # one grace for the whole source, from its first missing object
         self._grace_until: float | None = None
         self._grace_polls = 0
+        self._grace_progress = False  # an object arrived while the grace ran: the upload is alive
         self._clock = clock
         self._sleep = sleep
         self._meta: TrajectoryMeta | None = None
@@ -182,10 +185,15 @@ class S3DonorSource:
                 raise DonorUnavailable(f"donor {what} unreadable: {exc}") from exc
             else:
                 self.bytes_read += len(data)
+                self._grace_progress = self._grace_until is not None
                 return data
             if self.wait_s <= 0:
                 if self._in_grace():
                     continue
+                if self._grace_progress:  # slower than the grace, not gone: fall back, keep the donor
+                    raise DonorUnavailable(
+                        f"donor {what} is still uploading after {self.grace_s:g} s ({self.store.uri(key)})"
+                    )
                 raise DonorMissing(f"donor {what} is not in the store ({self.store.uri(key)})")
             if self._gave_up:
                 raise DonorUnavailable(f"donor {what} is not in the store ({self.store.uri(key)})")
@@ -232,6 +240,20 @@ class S3DonorSource:
             log.warning(
                 "could not mark the leader abandoned", extra={"prefix": self.prefix, "error": str(exc)}
             )
+
+
+def delete_trajectory(store: ObjectStore, prefix: str) -> int:
+    """Delete a stored trajectory; how many objects went. The header goes first, before the rest is listed: an
+    upload still running elsewhere looks for the header once it is done (``TrajectoryUploader``'s late finish)
+    and deletes what it stored after the listing, so whichever order the two take, nothing is left behind. (A
+    packed trajectory's one object is written last: an eviction that comes before it can still miss it.)"""
+    if not prefix.endswith("/"):
+        prefix += "/"
+    return store.delete_prefix(prefix, first=header_key(prefix))
+
+
+class TrajectoryEvicted(Exception):
+    """A late upload found its trajectory evicted when it ended, and removed what it had stored since."""
 
 
 @dataclass
@@ -354,7 +376,7 @@ class TrajectoryUploader:
 
         def run() -> None:
             try:
-                outcome: UploadReport | Exception = self.finish(trajectory)
+                outcome: UploadReport | Exception = self._evicted_meanwhile(self.finish(trajectory))
             except Exception as exc:  # reported, never lost with the thread
                 outcome = exc
             on_done(outcome)
@@ -362,6 +384,22 @@ class TrajectoryUploader:
         thread = threading.Thread(target=run, name=f"finish-{self.prefix}", daemon=True)
         thread.start()
         return thread
+
+    def _evicted_meanwhile(self, report: UploadReport) -> UploadReport | TrajectoryEvicted:
+        """After the result left, the entry may have been evicted (by a worker process other than this one, which
+        cannot wait for this upload) while the tail was still uploading: the eviction deletes the header before
+        listing (``delete_trajectory``), so a header gone now means what was stored after that listing would be
+        left behind, indexed by nothing. Delete it."""
+        try:
+            if self.store.exists(header_key(self.prefix)):
+                return report
+            deleted = delete_trajectory(self.store, self.prefix)
+        except StoreError as exc:  # a failed check is no reason to drop a sound donor
+            log.warning(
+                "could not check the stored trajectory", extra={"prefix": self.prefix, "error": str(exc)}
+            )
+            return report
+        return TrajectoryEvicted(f"{self.prefix} was evicted while it uploaded; {deleted} objects removed")
 
     def _report(self, sizes: dict[str, int]) -> UploadReport:
         return UploadReport(

@@ -32,7 +32,13 @@ from producer.orders import Role, WorkOrder, trajectory_prefix, video_key
 from producer.readiness import ReadinessEvent
 from workers import metrics as worker_metrics
 from workers import video
-from workers.donors import S3DonorSource, TrajectoryUploader, UploadReport
+from workers.donors import (
+    S3DonorSource,
+    TrajectoryEvicted,
+    TrajectoryUploader,
+    UploadReport,
+    delete_trajectory,
+)
 from workers.engine.bundle import ModelBundle
 from workers.engine.engine import Engine, GenerationOutput
 from workers.engine.errors import ModelUnavailable
@@ -415,7 +421,12 @@ class Runner:
 
         def done(outcome: UploadReport | Exception) -> None:
             seconds = round(time.perf_counter() - started, 4)
-            if isinstance(outcome, Exception):
+            if isinstance(outcome, TrajectoryEvicted):
+                log.info(
+                    "trajectory evicted while it uploaded; the rest removed",
+                    extra={"request_id": request_id, "detail": str(outcome), "seconds": seconds},
+                )
+            elif isinstance(outcome, Exception):
                 log.warning(
                     "trajectory not stored after its result left; deleting it",
                     extra={"request_id": request_id, "error": repr(outcome), "seconds": seconds},
@@ -451,7 +462,7 @@ class Runner:
         if not uploader.uploaded:
             return
         try:
-            deleted = self.store.delete_prefix(trajectory_prefix(job))
+            deleted = delete_trajectory(self.store, trajectory_prefix(job))
             log.info("partial trajectory deleted", extra={"job": job, "objects": deleted})
         except StoreError as exc:
             log.warning("partial trajectory left in S3", extra={"job": job, "error": str(exc)})

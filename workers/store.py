@@ -203,9 +203,15 @@ class ObjectStore:
             name = obj.object_name or ""
             yield StoredObject(key=name, size=obj.size or 0, uri=self.uri(name))
 
-    def delete_prefix(self, prefix: str) -> int:
-        """Delete every object under ``prefix``; returns how many were deleted."""
+    def delete_prefix(self, prefix: str, *, first: str | None = None) -> int:
+        """Delete every object under ``prefix``; returns how many were deleted. ``first``, if given, is deleted
+        before the others are listed: a writer still adding objects under the prefix can look for it once it is
+        done, and delete what it added after the listing."""
         try:
+            deleted_first = 0
+            if first is not None and self.exists(first):
+                self.client.remove_object(self.bucket, first)
+                deleted_first = 1
             keys = [o.key for o in self.list(prefix)]
             errors = list(self.client.remove_objects(self.bucket, (DeleteObject(k) for k in keys)))
         except S3Error as exc:
@@ -216,7 +222,7 @@ class ObjectStore:
             raise StoreError(f"cannot delete under {self.uri(prefix)}: {exc}") from exc
         if errors:
             raise StoreError(f"could not delete {len(errors)} objects under {prefix!r}: {errors[0]}")
-        return len(keys)
+        return deleted_first + len(keys)
 
     def presigned_get(self, key: str, expires: timedelta = timedelta(hours=1)) -> str:
         return self.client.presigned_get_object(self.bucket, key, expires=expires)

@@ -137,15 +137,17 @@ def evict(self: Task, order_json: str) -> dict[str, Any]:
     except ValidationError as exc:
         log.error("evict order rejected", extra={"error": str(exc).splitlines()[0], "raw": order_json[:500]})
         return {"error": "invalid_order", "deleted": {}}
+    from workers.donors import delete_trajectory  # brings torch, like the generate task's runner
+
     store = store_for(settings_of(self.app))
     runner = sys.modules.get("workers.runner")  # not imported: this process ran no order, uploads nothing
     if runner is not None:
         for prefix in order.prefixes:
-            # A donor evicted right after its result may still be uploading here: deleting first would leave
-            # the rest behind, indexed by nothing. (Another process' upload is not seen: it can leave orphans.)
+            # A donor evicted right after its result may still be uploading here: wait for it rather than have
+            # it clean up after us. (Another process' upload cleans up itself: see ``delete_trajectory``.)
             runner.wait_for_uploads(EVICT_WAITS_FOR_UPLOAD_S, prefix=prefix)
     deleted = {
-        rid: store.delete_prefix(prefix)
+        rid: delete_trajectory(store, prefix)
         for rid, prefix in zip(order.request_ids, order.prefixes, strict=True)
     }
     metrics().evicted_objects.inc(sum(deleted.values()))

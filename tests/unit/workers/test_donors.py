@@ -22,7 +22,13 @@ from producer.orders import (
     trajectory_prefix,
     trajectory_step_key,
 )
-from workers.donors import S3DonorSource, TrajectoryUploader, UploadReport
+from workers.donors import (
+    S3DonorSource,
+    TrajectoryEvicted,
+    TrajectoryUploader,
+    UploadReport,
+    delete_trajectory,
+)
 from workers.engine.errors import CorruptTrajectory, DonorMissing, DonorUnavailable
 from workers.engine.trajectory import (
     StepRecord,
@@ -365,6 +371,47 @@ def test_finishing_later_hands_a_failed_upload_to_its_callback(store: ObjectStor
     assert len(outcomes) == 1 and isinstance(outcomes[0], Exception)
 
 
+def test_an_eviction_during_the_late_upload_leaves_nothing_behind(store: ObjectStore) -> None:
+    # Another worker process evicts the donor once its header and first step are stored (it cannot wait for an
+    # upload it does not see); the tail stored after that is removed by the upload itself.
+    traj = make_trajectory("evicted-tail", steps=3)
+    prefix = trajectory_prefix(traj.meta.request_id)
+    uploader = TrajectoryUploader(store, prefix)
+    uploader.start()
+    uploader.on_start(Trajectory(traj.meta, traj.initial))
+    uploader.on_step(traj.steps[0])
+    uploader.stop()
+    assert delete_trajectory(store, prefix) == 2
+    outcomes: list[object] = []
+    uploader.finish_in_background(traj, outcomes.append).join(10)
+
+    (done,) = outcomes
+    assert isinstance(done, TrajectoryEvicted) and "2 objects removed" in str(done)
+    assert list(store.list(prefix)) == []
+
+
+def test_deleting_a_trajectory_removes_its_header_before_listing_the_rest(
+    store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traj = make_trajectory("header-first", steps=2)
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    upload_step(store, traj, prefix, 0)
+    upload_step(store, traj, prefix, 1)
+    header_at_listing: list[bool] = []
+    real_list = store.list
+
+    def listing(prefix: str = "") -> Iterator[object]:
+        header_at_listing.append(store.exists(header_key(prefix)))
+        return real_list(prefix)
+
+    monkeypatch.setattr(store, "list", listing)
+    assert delete_trajectory(store, prefix) == 3
+    assert header_at_listing == [False]
+    assert list(real_list(prefix)) == []
+    assert delete_trajectory(store, prefix) == 0  # idempotent
+
+
 def test_a_finished_donor_still_uploading_is_waited_for_within_its_grace(store: ObjectStore) -> None:
     traj = make_trajectory("late-tail", steps=3)
     prefix = trajectory_prefix(traj.meta.request_id)
@@ -379,6 +426,19 @@ def test_a_finished_donor_still_uploading_is_waited_for_within_its_grace(store: 
     assert_same_record(source.step(1), traj.steps[1])
     assert len(clock.sleeps) == 4 and clock.now - 100.0 < 1.0
     assert not store.exists(abandoned_key(prefix))  # not a follower's wait: nothing marked
+
+
+def test_a_finished_donor_uploading_slower_than_its_grace_is_unavailable_not_gone(store: ObjectStore) -> None:
+    traj = make_trajectory("slow-tail", steps=3)
+    prefix = trajectory_prefix(traj.meta.request_id)
+    upload_header(store, traj, prefix)
+    clock = FakeClock()
+    clock.on_sleep[2] = lambda: upload_step(store, traj, prefix, 0)  # step 0 lands; step 1 not in time
+    source = S3DonorSource(store, prefix, grace_s=0.5, clock=clock, sleep=clock.sleep)
+    with pytest.raises(DonorUnavailable, match=r"step 1 is still uploading after 0\.5 s") as raised:
+        source.prefetch(range(2))
+    assert not isinstance(raised.value, DonorMissing)  # DonorMissing would evict a sound donor
+    assert clock.now - 100.0 == pytest.approx(0.5)
 
 
 def test_a_finished_donor_that_is_gone_costs_at_most_its_grace_in_all(store: ObjectStore) -> None:
