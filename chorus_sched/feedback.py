@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class Feedback:
-    """Turns results into donor entries and hit counts; evicts through ``evict`` (request id -> reason)."""
+    """Turns results into donor entries and hit counts; evicts through ``evict`` and deletes the objects of
+    entries already gone through ``discard`` (request id -> reason)."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class Feedback:
         index: DonorIndex,
         ledger: Ledger,
         evict: Callable[[dict[str, str]], None],
+        discard: Callable[[dict[str, str]], None],
         exact: ExactHits,
         stats: SchedulerStats,
         gate: VerifiedReuseGate | None = None,
@@ -48,6 +50,7 @@ class Feedback:
         self.index = index
         self.ledger = ledger
         self.evict = evict
+        self.discard = discard
         self.exact = exact
         self.stats = stats
         if gate is not None and regime_of is None:
@@ -111,9 +114,11 @@ class Feedback:
                 )
             elif state == RequestState.EVICTED:
                 log.info(
-                    "result not indexed: the entry was evicted before it finished",
+                    "result not indexed: the entry was evicted before it finished; its trajectory is deleted",
                     extra={"request_id": result.request_id, "job": rid},
                 )
+                if result.trajectory_uri:  # stored after the eviction's order ran, or missed by it
+                    self.discard({rid: "finished after its entry was evicted"})
             elif result.trajectory_uri:
                 self._index_donor(record, result)
             elif leader and (entry := self.index.get(rid)) is not None and not entry.ready:

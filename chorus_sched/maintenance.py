@@ -93,6 +93,16 @@ class CacheMaintenance:
             METRICS.count_evictions(reason, len(ids))
         self._flush_evictions()
 
+    def discard(self, reasons: dict[str, str]) -> None:
+        """Order the stored objects of requests no entry names deleted (an entry evicted while its request ran:
+        what the worker stored after the eviction's order). Not an eviction: nothing is counted or unindexed."""
+        by_reason: dict[str, list[str]] = defaultdict(list)
+        for rid, reason in reasons.items():
+            by_reason[reason].append(rid)
+        for reason, ids in by_reason.items():
+            self.ledger.add_pending_evictions(ids, reason)
+        self._flush_evictions()
+
     def _flush_evictions(self) -> None:
         pending = self.ledger.pending_evictions()
         by_reason: dict[str, list[str]] = defaultdict(list)

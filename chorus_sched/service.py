@@ -110,6 +110,7 @@ class Scheduler:
             index=index,
             ledger=ledger,
             evict=self.cache.evict,
+            discard=self.cache.discard,
             exact=self.exact,
             stats=self.stats,
             gate=self.gate,

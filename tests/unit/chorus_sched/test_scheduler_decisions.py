@@ -187,6 +187,22 @@ def test_a_failed_leader_is_evicted_and_its_objects_ordered_deleted(ports: Ports
     assert ports.ledger.pending_evictions() == {}
 
 
+def test_a_leader_evicted_while_it_ran_has_the_trajectory_it_stored_after_ordered_deleted(
+    ports: Ports,
+) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="lead").to_bytes(), 0)])
+    ports.scheduler.cache.evict({"lead": "leader stale"})
+    ports.scheduler.handle_results([Msg(done("lead").to_bytes(), 0, topic="results")])
+
+    assert ports.index.get("lead") is None and ports.ledger.state("lead") == "evicted"
+    assert [(e.request_ids, e.reason) for e in ports.dispatcher.evictions] == [
+        (["lead"], "leader stale"),
+        (["lead"], "finished after its entry was evicted"),
+    ]
+    assert ports.scheduler.stats.evicted == 1 and ports.scheduler.stats.donors_indexed == 0
+    assert ports.ledger.pending_evictions() == {}
+
+
 def test_results_of_requests_this_deployment_did_not_dispatch_are_ignored(ports: Ports) -> None:
     outcome = ports.scheduler.handle_results(
         [Msg(done("stranger").to_bytes(), 0, topic="results"), Msg(b"not a result", 1, topic="results")]
