@@ -80,6 +80,26 @@ def test_diff_accounts_for_every_word(a: list[str], b: list[str]) -> None:
     assert diff.identical == (a == b)
 
 
+def _lcs_length(a: list[str], b: list[str]) -> int:
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]
+
+
+@given(prompts, prompts, prompts, prompts)
+def test_the_alignment_is_a_longest_common_subsequence_around_a_shared_head_and_tail(
+    head: list[str], a: list[str], b: list[str], tail: list[str]
+) -> None:
+    # the alignment tables only the middle between a common head and tail; it must stay as long as a full table's
+    donor, target = head + a + tail, head + b + tail
+    diff = word_diff(" ".join(donor), " ".join(target))
+    assert diff.matched == _lcs_length(donor, target)
+
+
 @given(prompts, st.data())
 def test_inserting_a_new_word_is_exactly_one_target_only_word(ws: list[str], data: st.DataObject) -> None:
     position = data.draw(st.integers(0, len(ws)))
