@@ -245,8 +245,9 @@ class S3DonorSource:
 def delete_trajectory(store: ObjectStore, prefix: str) -> int:
     """Delete a stored trajectory; how many objects went. The header goes first, before the rest is listed: an
     upload still running elsewhere looks for the header once it is done (``TrajectoryUploader``'s late finish)
-    and deletes what it stored after the listing, so whichever order the two take, nothing is left behind. (A
-    packed trajectory's one object is written last: an eviction that comes before it can still miss it.)"""
+    and deletes what it stored after the listing, so once the header was stored, whichever order the two take,
+    nothing is left behind. (An eviction before the header is stored, a packed trajectory's one object
+    included, still misses what comes after it: the late finish finds its header and keeps it.)"""
     if not prefix.endswith("/"):
         prefix += "/"
     return store.delete_prefix(prefix, first=header_key(prefix))

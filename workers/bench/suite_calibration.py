@@ -361,8 +361,9 @@ class Calibration:
         return (
             "Measured by `chorus bench quality --calibrate` on the toy model "
             f"(weights {cfg.weights.get('weights_id', '?')[:12]}, guidance {cfg.guidance:g}, judged on "
-            f"{'+'.join(cfg.judge)}): per regime, each row is the most reuse whose all-attribute accuracy on the calibration pairs the row admits stays within "
-            f"{cfg.tolerance * 100:g} point(s) of no reuse on the same targets and seeds (k1 = k2 = 0: nothing "
+            f"{'+'.join(cfg.judge)}): per regime, each row is the most reuse whose all-attribute accuracy on the calibration pairs the row admits passes the "
+            f"paired test: the one-sided 95% bound of the loss against no reuse from the same noise (the donor's "
+            f"seed where a Stage-1 donor was kept) within {cfg.tolerance * 100:g} point(s) (k1 = k2 = 0: nothing "
             f"passed). Rows are drawn from the measured pair classes; '{cal.BLOCKER}' never reuses (changes below the "
             "measured similarities, or 3 content words, were not measured); each reusing row admits only "
             f"similarities above every unmeasured change (3-4 attributes, or 2-4 reworded; {cfg.negative_prompts} "

@@ -96,6 +96,10 @@ def test_shipped_table_reuses_only_the_changes_it_measured() -> None:
     )
     assert verified.plan.verification is not None and verified.plan.verification.accept_max == 0.016
     assert not planner.plan(0.65, word_diff(RED, paraphrase), 4).reuses
+    # at 50 steps the many-step regime's own verified row: a longer Stage 1, a lower floor, the same check
+    many = planner.plan(0.65, word_diff(RED, paraphrase), 50)
+    assert many.row == "paraphrase" and many.plan.stage1_steps == 35 and many.plan.verification is not None
+    assert not planner.plan(0.3, word_diff(RED, paraphrase), 50).reuses
     # one rewording of three words is as many changes as three attributes: the blocker refuses it, unchecked
     short = "red ball drifting to the left, white backdrop"
     assert not planner.plan(0.9, word_diff(RED, short), 4).reuses
