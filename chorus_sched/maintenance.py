@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 
 from chorus_sched.batch import SchedulerStats
@@ -79,10 +79,7 @@ class CacheMaintenance:
 
     def evict(self, reasons: dict[str, str]) -> None:
         """Remove the index entries, then order the workers to delete the objects (pending until sent)."""
-        by_reason: dict[str, list[str]] = defaultdict(list)
-        for rid, reason in reasons.items():
-            by_reason[reason].append(rid)
-        for reason, ids in by_reason.items():
+        for reason, ids in _by_reason(reasons).items():
             self.ledger.add_pending_evictions(ids, reason)
             for rid in ids:
                 # A request that ended without a video stays open to being sent again.
@@ -96,19 +93,12 @@ class CacheMaintenance:
     def discard(self, reasons: dict[str, str]) -> None:
         """Order the stored objects of requests no entry names deleted (an entry evicted while its request ran:
         what the worker stored after the eviction's order). Not an eviction: nothing is counted or unindexed."""
-        by_reason: dict[str, list[str]] = defaultdict(list)
-        for rid, reason in reasons.items():
-            by_reason[reason].append(rid)
-        for reason, ids in by_reason.items():
+        for reason, ids in _by_reason(reasons).items():
             self.ledger.add_pending_evictions(ids, reason)
         self._flush_evictions()
 
     def _flush_evictions(self) -> None:
-        pending = self.ledger.pending_evictions()
-        by_reason: dict[str, list[str]] = defaultdict(list)
-        for rid, reason in sorted(pending.items()):
-            by_reason[reason].append(rid)
-        for reason, ids in by_reason.items():
+        for reason, ids in _by_reason(self.ledger.pending_evictions()).items():
             try:
                 self.dispatcher.evict(EvictOrder(request_ids=ids, reason=reason))
             except Exception as exc:
@@ -120,3 +110,11 @@ class CacheMaintenance:
             self.stats.evict_orders += 1
             METRICS.evict_orders.inc()
             log.info("evict order sent", extra={"request_ids": ids, "reason": reason})
+
+
+def _by_reason(reasons: Mapping[str, str]) -> dict[str, list[str]]:
+    """Request ids grouped by their reason (one order per reason), each group in id order."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for rid, reason in sorted(reasons.items()):
+        groups[reason].append(rid)
+    return dict(groups)
