@@ -246,8 +246,9 @@ def delete_trajectory(store: ObjectStore, prefix: str) -> int:
     """Delete a stored trajectory; how many objects went. The header goes first, before the rest is listed: an
     upload still running elsewhere looks for the header once it is done (``TrajectoryUploader``'s late finish)
     and deletes what it stored after the listing, so once the header was stored, whichever order the two take,
-    nothing is left behind. (An eviction before the header is stored, a packed trajectory's one object
-    included, still misses what comes after it: the late finish finds its header and keeps it.)"""
+    nothing is left behind. The result leaves only once the header is stored (``store_header``); an eviction
+    ordered before the result, while the request ran, is followed by another order once the result arrives
+    (the scheduler's ``CacheMaintenance.discard``), which finds the header."""
     if not prefix.endswith("/"):
         prefix += "/"
     return store.delete_prefix(prefix, first=header_key(prefix))
@@ -297,6 +298,7 @@ class TrajectoryUploader:
         self._thread: threading.Thread | None = None
         self._error: Exception | None = None
         self._lock = threading.Lock()
+        self._header_stored = threading.Event()
         self.streamed = 0
 
     @property
@@ -359,6 +361,21 @@ class TrajectoryUploader:
             if key not in self._sizes:
                 self._put(key, make)
         return self._report(self._sizes)
+
+    def store_header(self, trajectory: Trajectory, wait_s: float = 5.0) -> None:
+        """Return once the header object (a packed trajectory's one object) is stored; raises ``StoreError``. A
+        result that leaves before the rest of the upload waits for this much: an eviction ordered after the
+        result then always finds the header it deletes first, and the late finish sees it gone
+        (``delete_trajectory``). The background thread normally stored it while the engine ran; if it stopped,
+        failed, or takes longer than ``wait_s``, the header is put from here (the same bytes: a second put is
+        harmless)."""
+        key, make = self._objects(trajectory)[0]
+        deadline = time.monotonic() + wait_s
+        while not self._header_stored.is_set():
+            if self._thread is None or self._error is not None or time.monotonic() >= deadline:
+                self._put(key, make)
+                return
+            self._header_stored.wait(0.01)
 
     def planned_report(self, trajectory: Trajectory) -> UploadReport:
         """What ``finish`` will report once every object is stored: each object not stored yet is encoded now
@@ -439,3 +456,5 @@ class TrajectoryUploader:
         with self._lock:
             self._sizes[stored.key] = stored.size
             self._blobs.pop(key, None)
+        if key == header_key(self.prefix):
+            self._header_stored.set()

@@ -10,9 +10,9 @@ that fails for any other reason (model not loadable, engine error, video encodin
 limit) is answered with a ``failed`` result carrying an error code and message. The result keeps the scheduler's
 plan and donor as they were planned; ``fallback`` and ``steps_computed`` tell what actually happened.
 
-The result leaves once the video is stored (``WorkerSettings.result_before_trajectory``): what of the trajectory
-did not stream while the engine ran is uploaded after it, and readers of a finished donor allow for that
-(``S3DonorSource.grace_s``).
+The result leaves once the video and the trajectory's header are stored (``WorkerSettings.result_before_trajectory``):
+what of the trajectory did not stream while the engine ran is uploaded after it, and readers of a finished donor
+allow for that (``S3DonorSource.grace_s``).
 """
 
 from __future__ import annotations
@@ -398,16 +398,19 @@ class Runner:
             uploader.stop()  # no result will name this trajectory: stop streaming it before the request fails
             raise
         with clock.phase("upload"):
-            if self.settings.result_before_trajectory:
-                report = uploader.planned_report(output.trajectory)
-                self._finish_later(order, uploader, output.trajectory)
-                return stored_video.uri, self.store.uri(report.prefix), report.bytes
             try:
-                report = uploader.finish(output.trajectory)
+                if self.settings.result_before_trajectory:
+                    # The header before the result: an eviction ordered after it must find the header.
+                    uploader.store_header(output.trajectory)
+                    report = uploader.planned_report(output.trajectory)
+                    self._finish_later(order, uploader, output.trajectory)
+                else:
+                    report = uploader.finish(output.trajectory)
             except StoreError as exc:
                 log.warning(
                     "trajectory not stored", extra={"request_id": order.request.request_id, "error": str(exc)}
                 )
+                uploader.stop()  # what was still streaming ends before it is deleted
                 self._discard_trajectory(job, uploader)
                 return stored_video.uri, None, 0
         return stored_video.uri, self.store.uri(report.prefix), report.bytes

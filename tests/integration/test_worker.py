@@ -527,3 +527,34 @@ def test_a_trajectory_whose_upload_fails_after_the_result_left_is_deleted(
     assert len(failed) == 1 and "refused" in failed[0].__dict__["error"]
     assert list(store.list(prefix)) == []
     assert store.exists(f"videos/{request.request_id}.mp4")
+
+
+def test_a_header_that_cannot_be_stored_keeps_the_result_from_naming_a_trajectory(
+    wsettings: WorkerSettings,
+    results: ResultWatcher,
+    store: ObjectStore,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The result leaves before the trajectory's tail, but never before its header: an eviction ordered after
+    # the result must find the header it deletes first. A header the store refuses means no donor at all.
+    from workers.runner import Runner
+
+    caplog.set_level(logging.INFO, logger="workers.runner")
+    request = request_like("a donor whose header cannot be stored")
+    prefix = trajectory_prefix(request.request_id)
+    failing = _LastStepRefused(store.endpoint, store.bucket, access_key="test", secret_key="test")
+    failing.refused = header_key(prefix)
+    runner = Runner(wsettings.model_copy(update={"trajectory_pack_max_bytes": 0}), store=failing)
+    try:
+        result = runner.handle(order_for(request).model_dump_json(), worker="test")
+        assert runner.wait_for_uploads(60)
+    finally:
+        runner.publisher.close()
+    assert result.status is ResultStatus.DONE, result.error
+    assert result.trajectory_uri is None and result.trajectory_bytes == 0
+    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    assert published == result
+    (failed,) = [r for r in caplog.records if r.getMessage() == "trajectory not stored"]
+    assert "refused" in failed.__dict__["error"]
+    assert list(store.list(prefix)) == []
+    assert store.exists(f"videos/{request.request_id}.mp4")

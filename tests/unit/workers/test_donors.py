@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -38,7 +39,7 @@ from workers.engine.trajectory import (
     encode_step,
     expected_nbytes,
 )
-from workers.store import ObjectStore
+from workers.store import ObjectStore, StoreError
 
 
 class FakeClock:
@@ -388,6 +389,65 @@ def test_an_eviction_during_the_late_upload_leaves_nothing_behind(store: ObjectS
     (done,) = outcomes
     assert isinstance(done, TrajectoryEvicted) and "2 objects removed" in str(done)
     assert list(store.list(prefix)) == []
+
+
+def _puts_of(store: ObjectStore, monkeypatch: pytest.MonkeyPatch, delay_s: float = 0.0) -> list[str]:
+    """The keys ``store`` is asked to put, in order; each put held back ``delay_s`` (a slow store)."""
+    keys: list[str] = []
+    real_put = store.put
+
+    def put(key: str, data: bytes, *args: object, **kwargs: object) -> object:
+        keys.append(key)
+        time.sleep(delay_s)
+        return real_put(key, data, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "put", put)
+    return keys
+
+
+def test_storing_the_header_waits_for_the_background_upload_instead_of_putting_it_twice(
+    store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traj = make_trajectory("header-waited", steps=2)
+    prefix = trajectory_prefix(traj.meta.request_id)
+    puts = _puts_of(store, monkeypatch, delay_s=0.3)
+    uploader = TrajectoryUploader(store, prefix)
+    uploader.start()
+    uploader.on_start(Trajectory(traj.meta, traj.initial))
+    uploader.store_header(traj)
+    assert store.exists(header_key(prefix))  # stored by the background thread, waited for here
+    uploader.stop()
+    assert puts.count(header_key(prefix)) == 1
+
+
+@pytest.mark.parametrize("pack_max_bytes", [0, 1 << 20], ids=["streamed", "packed"])
+def test_storing_the_header_puts_it_itself_when_no_upload_thread_will(
+    store: ObjectStore, pack_max_bytes: int
+) -> None:
+    # No background thread (and, packed, nothing queued before the engine is done): the header -- a packed
+    # trajectory's one object -- is put from the caller, and is readable as such.
+    traj = make_trajectory(f"header-put-{pack_max_bytes}", steps=2)
+    prefix = trajectory_prefix(traj.meta.request_id)
+    uploader = TrajectoryUploader(store, prefix, pack_max_bytes=pack_max_bytes)
+    uploader.store_header(traj)
+    assert [o.key for o in store.list(prefix)] == [header_key(prefix)]
+    source = S3DonorSource(store, prefix)
+    assert source.metadata().request_id == traj.meta.request_id
+
+
+def test_storing_the_header_after_the_background_upload_failed_raises_the_store_error(
+    store: ObjectStore,
+) -> None:
+    traj = make_trajectory("header-refused", steps=2)
+    broken = ObjectStore(
+        store.endpoint, "no-such-bucket-here", access_key="test", secret_key="test", write_retry_s=0
+    )
+    uploader = TrajectoryUploader(broken, trajectory_prefix("header-refused"))
+    uploader.start()
+    uploader.on_start(Trajectory(traj.meta, traj.initial))
+    with pytest.raises(StoreError):
+        uploader.store_header(traj)
+    uploader.stop()
 
 
 def test_deleting_a_trajectory_removes_its_header_before_listing_the_rest(
