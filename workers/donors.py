@@ -298,6 +298,7 @@ class TrajectoryUploader:
         self._thread: threading.Thread | None = None
         self._error: Exception | None = None
         self._lock = threading.Lock()
+        self._header_queued = False  # the background thread has the header (or the packed object) to store
         self._header_stored = threading.Event()
         self.streamed = 0
 
@@ -320,6 +321,7 @@ class TrajectoryUploader:
     def on_start(self, trajectory: Trajectory) -> None:
         if self._thread is not None and not self._packs(trajectory.meta):
             self._queue.put(self._header_object(trajectory.meta, trajectory.initial))
+            self._header_queued = True
 
     def on_step(self, record: StepRecord) -> None:
         if self._thread is not None and not self._packed:
@@ -329,6 +331,7 @@ class TrajectoryUploader:
         """The engine finished: a packed trajectory is uploaded now, while the caller goes on."""
         if self._thread is not None and self._packs(trajectory.meta):
             self._queue.put(self._whole_object(trajectory))
+            self._header_queued = True
 
     def _drain(self) -> None:
         while True:
@@ -362,18 +365,16 @@ class TrajectoryUploader:
                 self._put(key, make)
         return self._report(self._sizes)
 
-    def store_header(self, trajectory: Trajectory, wait_s: float = 5.0) -> None:
+    def store_header(self, trajectory: Trajectory) -> None:
         """Return once the header object (a packed trajectory's one object) is stored; raises ``StoreError``. A
         result that leaves before the rest of the upload waits for this much: an eviction ordered after the
         result then always finds the header it deletes first, and the late finish sees it gone
-        (``delete_trajectory``). The background thread normally stored it while the engine ran; if it stopped,
-        failed, or takes longer than ``wait_s``, the header is put from here (the same bytes: a second put is
-        harmless)."""
+        (``delete_trajectory``). The background thread normally stored it while the engine ran, and is waited
+        for while it has it to store (its puts time out like any other); otherwise the header is put from here."""
         key, make = self._objects(trajectory)[0]
-        deadline = time.monotonic() + wait_s
         while not self._header_stored.is_set():
-            if self._thread is None or self._error is not None or time.monotonic() >= deadline:
-                self._put(key, make)
+            if self._thread is None or not self._header_queued or self._error is not None:
+                self._put(key, make)  # after a failed background put: its retry, or its StoreError
                 return
             self._header_stored.wait(0.01)
 
