@@ -89,9 +89,8 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     follower_poll_s: float = Field(default=0.2, gt=0, le=60)
     # Publish the result once the video and the trajectory's header are stored, and let the rest of the
     # trajectory's upload (what did not stream while the engine ran) end after it: the request does not wait for
-    # its donor data. A worker reading
-    # a finished donor waits up to ``donor_upload_grace_s`` for an object still being uploaded before it calls
-    # the donor gone (and has it evicted).
+    # its donor data. A worker reading a finished donor waits up to ``donor_upload_grace_s`` for an object still
+    # being uploaded before it calls the donor gone (and has it evicted).
     result_before_trajectory: bool = True
     donor_upload_grace_s: float = Field(default=2.0, ge=0, le=60)
 
