@@ -16,13 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kafka import KafkaConsumer
-from kafka.structs import TopicPartition
-
 from chorus_sched.index import DonorIndex
 from chorus_sched.planner import parse_calibration
 from chorus_sched.settings import SchedulerSettings
-from producer import bus
 from producer.contract import GenerationRequest, GenerationResult, build_request
 from producer.local.config import StackOptions
 from producer.local.processes import ServiceProcess
@@ -34,6 +30,7 @@ from producer.orders import (
     video_key,
 )
 from producer.sdk import ChorusClient, ResultWatcher
+from tests.helpers import topics
 from tests.helpers.stored import stored_objects
 from workers.donors import S3DonorSource
 
@@ -140,23 +137,7 @@ def wait_results(watcher: ResultWatcher, ids: Sequence[str]) -> dict[str, Genera
 
 def read_topic(stack: EmbeddedStack, topic: str) -> list[tuple[str | None, bytes]]:
     """(key, value) of every message on ``topic``, from the beginning (outside any consumer group)."""
-    consumer = KafkaConsumer(
-        **bus.client_config(stack.producer_settings), group_id=None, enable_auto_commit=False
-    )
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        out: list[tuple[str | None, bytes]] = []
-        deadline = time.monotonic() + 60
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            assert time.monotonic() < deadline, f"could not read {topic} to its end"
-            for records in consumer.poll(timeout_ms=500).values():
-                out.extend((r.key.decode() if r.key is not None else None, r.value) for r in records)
-        return out
-    finally:
-        consumer.close(autocommit=False)
+    return topics.read_topic(stack.producer_settings, topic)
 
 
 def results_on_topic(stack: EmbeddedStack) -> list[GenerationResult]:

@@ -34,8 +34,6 @@ from typing import Any
 
 import pytest
 import yaml
-from kafka import KafkaConsumer
-from kafka.structs import TopicPartition
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -45,6 +43,7 @@ from producer.local.config import StackOptions
 from producer.local.processes import free_port
 from producer.local.stack import EmbeddedStack
 from producer.sdk import ChorusClient
+from tests.helpers import topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -174,21 +173,7 @@ def request(rid: str, prompt: str, seed: int, **fields: Any) -> GenerationReques
 
 def read_topic(settings: Any, topic: str) -> list[bytes]:
     """Every message on ``topic`` from the beginning (no consumer group)."""
-    consumer = KafkaConsumer(**bus.client_config(settings), group_id=None, enable_auto_commit=False)
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        values: list[bytes] = []
-        deadline = time.monotonic() + 60
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            assert time.monotonic() < deadline, "could not read the whole topic"
-            for records in consumer.poll(timeout_ms=500).values():
-                values.extend(r.value for r in records)
-        return values
-    finally:
-        consumer.close(autocommit=False)
+    return [value for _, value in topics.read_topic(settings, topic)]
 
 
 def per_process_counts(mp_dir: Path) -> dict[int, float]:
