@@ -17,7 +17,8 @@ from producer import bus
 
 
 def read_topic(settings: Any, topic: str, timeout_s: float = 60.0) -> list[tuple[str | None, bytes]]:
-    """(key, value) of every message on ``topic`` when the call starts, from the beginning, in partition order."""
+    """(key, value) of every message on ``topic`` from the beginning, up to its end offsets when the partitions
+    were assigned (a poll may bring a few more), in partition order."""
     consumer = KafkaConsumer(**bus.client_config(settings), group_id=None, enable_auto_commit=False)
     deadline = time.monotonic() + timeout_s
     try:
@@ -27,9 +28,9 @@ def read_topic(settings: Any, topic: str, timeout_s: float = 60.0) -> list[tuple
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
+        ends = consumer.end_offsets(tps, timeout_ms=int(timeout_s * 1000))
         out: list[tuple[str | None, bytes]] = []
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
+        while any(consumer.position(tp, timeout_ms=5000) < ends[tp] for tp in tps):
             assert time.monotonic() < deadline, f"could not read {topic} to its end"
             for records in consumer.poll(timeout_ms=500).values():
                 out.extend((r.key.decode() if r.key is not None else None, r.value) for r in records)
