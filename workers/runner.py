@@ -394,26 +394,34 @@ class Runner:
                 video_bytes = encode_video(output, fmt)
             with clock.phase("upload"):
                 stored_video = self.store.put(video_key(job, fmt), video_bytes, video.CONTENT_TYPES[fmt])
+                return (stored_video.uri, *self._store_trajectory(order, output, uploader))
         except BaseException:
-            uploader.stop()  # no result will name this trajectory: stop streaming it before the request fails
+            # The request fails (the video, or the time limit): no result will name this trajectory. Stop
+            # streaming it and delete what was stored, or another request could take it for a donor.
+            uploader.stop()
+            self._discard_trajectory(job, uploader)
             raise
-        with clock.phase("upload"):
-            try:
-                if self.settings.result_before_trajectory:
-                    # The header before the result: an eviction ordered after it must find the header.
-                    uploader.store_header(output.trajectory)
-                    report = uploader.planned_report(output.trajectory)
-                    self._finish_later(order, uploader, output.trajectory)
-                else:
-                    report = uploader.finish(output.trajectory)
-            except StoreError as exc:
-                log.warning(
-                    "trajectory not stored", extra={"request_id": order.request.request_id, "error": str(exc)}
-                )
-                uploader.stop()  # what was still streaming ends before it is deleted
-                self._discard_trajectory(job, uploader)
-                return stored_video.uri, None, 0
-        return stored_video.uri, self.store.uri(report.prefix), report.bytes
+
+    def _store_trajectory(
+        self, order: WorkOrder, output: GenerationOutput, uploader: TrajectoryUploader
+    ) -> tuple[str | None, int]:
+        """(trajectory uri, bytes), or (None, 0) when the store refuses it."""
+        try:
+            if self.settings.result_before_trajectory:
+                # The header before the result: an eviction ordered after it must find the header.
+                uploader.store_header(output.trajectory)
+                report = uploader.planned_report(output.trajectory)
+                self._finish_later(order, uploader, output.trajectory)
+            else:
+                report = uploader.finish(output.trajectory)
+        except StoreError as exc:
+            log.warning(
+                "trajectory not stored", extra={"request_id": order.request.request_id, "error": str(exc)}
+            )
+            uploader.stop()  # what was still streaming ends before it is deleted
+            self._discard_trajectory(order.request.job_id, uploader)
+            return None, 0
+        return self.store.uri(report.prefix), report.bytes
 
     def _finish_later(self, order: WorkOrder, uploader: TrajectoryUploader, trajectory: Trajectory) -> None:
         """The rest of the trajectory's upload goes on after the result leaves (the result names its exact size).

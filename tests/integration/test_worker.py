@@ -37,6 +37,7 @@ from producer.orders import (
     queue_for,
     step_key,
     trajectory_prefix,
+    video_key,
 )
 from producer.sdk import ResultWatcher
 from tests.helpers.stored import stored_objects
@@ -542,3 +543,33 @@ def test_a_header_that_cannot_be_stored_keeps_the_result_from_naming_a_trajector
     assert "refused" in failed.__dict__["error"]
     assert list(store.list(prefix)) == []
     assert store.exists(f"videos/{request.request_id}.mp4")
+
+
+def test_a_request_whose_video_cannot_be_stored_fails_and_leaves_no_trajectory(
+    wsettings: WorkerSettings,
+    results: ResultWatcher,
+    store: ObjectStore,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The trajectory streamed while the engine ran; the video then cannot be stored, so the request fails and
+    # no result names the trajectory: what was stored is deleted, or another request could take it for a donor.
+    from workers.runner import Runner
+
+    caplog.set_level(logging.INFO, logger="workers.runner")
+    request = request_like("a request whose video the store refuses")
+    failing = _LastStepRefused(store.endpoint, store.bucket, access_key="test", secret_key="test")
+    failing.refused = video_key(request.job_id, wsettings.video_format)
+    runner = Runner(wsettings.model_copy(update={"trajectory_pack_max_bytes": 0}), store=failing)
+    try:
+        result = runner.handle(order_for(request).model_dump_json(), worker="test")
+    finally:
+        runner.publisher.close()
+    assert result.status is ResultStatus.FAILED
+    assert result.error is not None and result.error.code == "store_error"
+    deleted = [
+        r.__dict__["objects"] for r in caplog.records if r.getMessage() == "partial trajectory deleted"
+    ]
+    assert deleted == [1 + request.num_steps]  # the header and every step had streamed
+    assert list(store.list(trajectory_prefix(request.request_id))) == []
+    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    assert published.status is ResultStatus.FAILED
