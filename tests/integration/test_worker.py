@@ -467,7 +467,7 @@ def test_a_leader_that_fails_midway_leaves_no_partial_trajectory(
     assert published.status is ResultStatus.FAILED
 
 
-class _LastStepRefused(ObjectStore):
+class _WriteRefused(ObjectStore):
     """The real store, except that every write of ``refused`` fails (as a full or failing bucket would)."""
 
     refused = ""
@@ -480,25 +480,34 @@ class _LastStepRefused(ObjectStore):
         return super().put(key, data, content_type, retry=retry)
 
 
-def test_a_trajectory_whose_upload_fails_after_the_result_left_is_deleted(
-    wsettings: WorkerSettings,
-    results: ResultWatcher,
-    store: ObjectStore,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def _handled_with_a_refused_write(
+    wsettings: WorkerSettings, store: ObjectStore, request: GenerationRequest, refused: str
+) -> GenerationResult:
+    """``request`` run to its end (its late uploads included) by a runner whose store refuses ``refused``; the
+    trajectory streamed, not packed."""
     from workers.runner import Runner
 
-    caplog.set_level(logging.INFO, logger="workers.runner")
-    request = request_like("a donor whose last step cannot be stored")
-    prefix = trajectory_prefix(request.request_id)
-    failing = _LastStepRefused(store.endpoint, store.bucket, access_key="test", secret_key="test")
-    failing.refused = step_key(prefix, request.num_steps - 1)
+    failing = _WriteRefused(store.endpoint, store.bucket, access_key="test", secret_key="test")
+    failing.refused = refused
     runner = Runner(wsettings.model_copy(update={"trajectory_pack_max_bytes": 0}), store=failing)
     try:
         result = runner.handle(order_for(request).model_dump_json(), worker="test")
         assert runner.wait_for_uploads(60)
     finally:
         runner.publisher.close()
+    return result
+
+
+def test_a_trajectory_whose_upload_fails_after_the_result_left_is_deleted(
+    wsettings: WorkerSettings,
+    results: ResultWatcher,
+    store: ObjectStore,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="workers.runner")
+    request = request_like("a donor whose last step cannot be stored")
+    prefix = trajectory_prefix(request.request_id)
+    result = _handled_with_a_refused_write(wsettings, store, request, step_key(prefix, request.num_steps - 1))
     # The result left before the upload ended, naming the trajectory and its exact size ...
     assert result.status is ResultStatus.DONE, result.error
     assert result.trajectory_uri == store.uri(prefix) and result.trajectory_bytes > 0
@@ -522,19 +531,10 @@ def test_a_header_that_cannot_be_stored_keeps_the_result_from_naming_a_trajector
 ) -> None:
     # The result leaves before the trajectory's tail, but never before its header: an eviction ordered after
     # the result must find the header it deletes first. A header the store refuses means no donor at all.
-    from workers.runner import Runner
-
     caplog.set_level(logging.INFO, logger="workers.runner")
     request = request_like("a donor whose header cannot be stored")
     prefix = trajectory_prefix(request.request_id)
-    failing = _LastStepRefused(store.endpoint, store.bucket, access_key="test", secret_key="test")
-    failing.refused = header_key(prefix)
-    runner = Runner(wsettings.model_copy(update={"trajectory_pack_max_bytes": 0}), store=failing)
-    try:
-        result = runner.handle(order_for(request).model_dump_json(), worker="test")
-        assert runner.wait_for_uploads(60)
-    finally:
-        runner.publisher.close()
+    result = _handled_with_a_refused_write(wsettings, store, request, header_key(prefix))
     assert result.status is ResultStatus.DONE, result.error
     assert result.trajectory_uri is None and result.trajectory_bytes == 0
     (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
@@ -553,17 +553,10 @@ def test_a_request_whose_video_cannot_be_stored_fails_and_leaves_no_trajectory(
 ) -> None:
     # The trajectory streamed while the engine ran; the video then cannot be stored, so the request fails and
     # no result names the trajectory: what was stored is deleted, or another request could take it for a donor.
-    from workers.runner import Runner
-
     caplog.set_level(logging.INFO, logger="workers.runner")
     request = request_like("a request whose video the store refuses")
-    failing = _LastStepRefused(store.endpoint, store.bucket, access_key="test", secret_key="test")
-    failing.refused = video_key(request.job_id, wsettings.video_format)
-    runner = Runner(wsettings.model_copy(update={"trajectory_pack_max_bytes": 0}), store=failing)
-    try:
-        result = runner.handle(order_for(request).model_dump_json(), worker="test")
-    finally:
-        runner.publisher.close()
+    refused = video_key(request.job_id, wsettings.video_format)
+    result = _handled_with_a_refused_write(wsettings, store, request, refused)
     assert result.status is ResultStatus.FAILED
     assert result.error is not None and result.error.code == "store_error"
     deleted = [
