@@ -368,7 +368,6 @@ class Runner:
             with loaded.lock:
                 output = self._generate(loaded.engine, order, given, source, uploader, clock, progress)
         except BaseException:
-            uploader.stop()
             # A leader that failed may have streamed part of its trajectory: nobody must take it for a donor.
             self._discard_trajectory(order.request.job_id, uploader)
             raise
@@ -396,9 +395,8 @@ class Runner:
                 stored_video = self.store.put(video_key(job, fmt), video_bytes, video.CONTENT_TYPES[fmt])
                 return (stored_video.uri, *self._store_trajectory(order, output, uploader))
         except BaseException:
-            # The request fails (the video, or the time limit): no result will name this trajectory. Stop
-            # streaming it and delete what was stored, or another request could take it for a donor.
-            uploader.stop()
+            # The request fails (the video, or the time limit): no result will name this trajectory. Delete what
+            # was stored, or another request could take it for a donor.
             self._discard_trajectory(job, uploader)
             raise
 
@@ -418,7 +416,6 @@ class Runner:
             log.warning(
                 "trajectory not stored", extra={"request_id": order.request.request_id, "error": str(exc)}
             )
-            uploader.stop()  # what was still streaming ends before it is deleted
             self._discard_trajectory(order.request.job_id, uploader)
             return None, 0
         return self.store.uri(report.prefix), report.bytes
@@ -470,6 +467,8 @@ class Runner:
         return not any(t.is_alive() for t in pending)
 
     def _discard_trajectory(self, job: str, uploader: TrajectoryUploader) -> None:
+        """Delete what of ``job``'s trajectory was stored; what was still streaming ends first."""
+        uploader.stop()
         if not uploader.uploaded:
             return
         try:
