@@ -158,11 +158,16 @@ class _Harness:
     result_poll_sizes: list[int] = field(default_factory=list)  # results per poll handed to feedback
     requests_before: int = 0
     results_before: int = 0
+    # The scheduler's counts as of its handlers' last *return*: it counts a request when it admits it, before the
+    # poll's embedding and scheduling, so a drain that waited on its counts alone ended (and stopped its clock
+    # and its profile) while the last poll was still being scheduled.
+    requests_done: int = 0
+    results_done: int = 0
 
     def mark(self) -> None:
         """Count the scheduler's handled requests and results from now on."""
-        self.requests_before = self.scheduler.stats.requests
-        self.results_before = self.scheduler.stats.results
+        self.requests_before = self.requests_done = self.scheduler.stats.requests
+        self.results_before = self.results_done = self.scheduler.stats.results
 
     def profiled(self, name: str, handle: Handler) -> Handler:
         """``handle`` profiled while ``profiling`` is set (cProfile sees only the thread that enables it)."""
@@ -180,15 +185,25 @@ class _Harness:
                 for m in messages:
                     if m.key is not None:
                         self.polled.setdefault(m.key.decode(errors="replace"), now)
-            if not self.profiling.is_set():
-                return handle(messages)
-            profile.enable()
             try:
-                return handle(messages)
+                if not self.profiling.is_set():
+                    return handle(messages)
+                profile.enable()
+                try:
+                    return handle(messages)
+                finally:
+                    profile.disable()
             finally:
-                profile.disable()
+                self._returned(name)
 
         return wrapped
+
+    def _returned(self, name: str) -> None:
+        stats = self.scheduler.stats
+        if name == "requests":
+            self.requests_done = stats.requests
+        else:
+            self.results_done = stats.results
 
 
 def run_sched(options: SchedOptions, say: Callable[[str], None]) -> dict[str, Any]:
@@ -466,15 +481,16 @@ def _drain(harness: _Harness, requests: Sequence[GenerationRequest], *, profiled
 
 
 def _wait_settled(harness: _Harness, requests: Sequence[GenerationRequest], *, timeout_s: float) -> float:
-    """Wait until the scheduler has read every request and the result of every order it sent; returns the
-    monotonic time it had. Counted from its own stats (asking Kafka would take this core from it)."""
-    stats, workers = harness.scheduler.stats, harness.workers
+    """Wait until the scheduler's handlers have returned from every request and from the result of every order
+    it sent; returns the monotonic time they had. Counted from its own stats as of those returns (asking Kafka
+    would take this core from it)."""
+    workers = harness.workers
     want = {r.request_id for r in requests}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         sent = sum(1 for r in want if r in workers.dispatched)
-        handled = stats.requests - harness.requests_before
-        answered = stats.results - harness.results_before
+        handled = harness.requests_done - harness.requests_before
+        answered = harness.results_done - harness.results_before
         if handled >= len(want) and answered >= sent and workers.idle():
             return time.monotonic()
         time.sleep(0.02)

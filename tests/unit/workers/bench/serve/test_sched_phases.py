@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import cProfile
+import threading
+from collections.abc import Sequence
+from types import SimpleNamespace
 
-from workers.bench.serve.sched import PHASE_FUNCTIONS, _profile_summary
+import pytest
+
+from chorus_sched.batch import BatchOutcome, Message
+from workers.bench.serve.sched import PHASE_FUNCTIONS, _Harness, _profile_summary, _wait_settled
 from workers.bench.serve.sched_direct import PHASES, phase_ms
 
 
@@ -49,3 +55,42 @@ def test_a_thread_that_ran_nothing_while_profiled_is_left_out_of_the_summary() -
     phases, top = _profile_summary({"intake": busy, "feedback": idle}, handled=10)
     assert phases["all_handlers"] >= 0 and any("ncalls" in line for line in top)
     assert _profile_summary({"feedback": cProfile.Profile()}, handled=10) == ({}, [])
+
+
+class _Stats:
+    requests = 0
+    results = 0
+
+
+class _NoWorkers:
+    def __init__(self) -> None:
+        self.dispatched: dict[str, object] = {}
+
+    def idle(self) -> bool:
+        return True
+
+
+def test_a_drain_settles_only_when_the_handler_that_admitted_its_requests_returned() -> None:
+    """The scheduler counts a request at admission, before it embeds and schedules the poll: a drain that waited
+    on that count alone stopped its clock and its profile mid-poll (the profiled phases after embed read 0)."""
+    scheduler = SimpleNamespace(stats=_Stats())
+    harness = _Harness(None, scheduler, _NoWorkers(), {}, threading.Event())  # type: ignore[arg-type]
+    harness.mark()
+    admitted, release = threading.Event(), threading.Event()
+
+    def handle(messages: Sequence[Message]) -> BatchOutcome:
+        scheduler.stats.requests += len(messages)  # admitted and counted…
+        admitted.set()
+        release.wait(10)  # …then embedded and scheduled
+        return BatchOutcome()
+
+    wrapped = harness.profiled("requests", handle)
+    request = SimpleNamespace(request_id="r1")
+    poll = threading.Thread(target=wrapped, args=([SimpleNamespace(key=b"r1")],))
+    poll.start()
+    assert admitted.wait(10)
+    with pytest.raises(RuntimeError):
+        _wait_settled(harness, [request], timeout_s=0.3)  # type: ignore[list-item]
+    release.set()
+    poll.join(10)
+    assert _wait_settled(harness, [request], timeout_s=5) > 0  # type: ignore[list-item]
