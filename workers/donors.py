@@ -293,6 +293,7 @@ class TrajectoryUploader:
         self.pack_max_bytes = pack_max_bytes
         self._packed: bool | None = None  # decided once the trajectory's shape is known
         self._sizes: dict[str, int] = {}  # stored objects' sizes
+        self._sent = False  # a write went out (a put whose reply was lost may still have stored its object)
         self._blobs: dict[str, bytes] = {}  # objects encoded, not stored yet
         self._queue: queue.Queue[object] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -303,9 +304,9 @@ class TrajectoryUploader:
         self.streamed = 0
 
     @property
-    def uploaded(self) -> int:
-        """Objects written so far."""
-        return len(self._sizes)
+    def may_have_stored(self) -> bool:
+        """Whether any write went out: the store may hold part of the trajectory even where no reply said so."""
+        return self._sent
 
     def _packs(self, meta: TrajectoryMeta) -> bool:
         if self._packed is None:
@@ -453,6 +454,7 @@ class TrajectoryUploader:
     def _put(self, key: str, make: Callable[[], bytes]) -> None:
         with self._lock:
             data = self._encoded(key, make)
+            self._sent = True
         stored = self.store.put(key, data)
         with self._lock:
             self._sizes[stored.key] = stored.size

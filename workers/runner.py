@@ -467,9 +467,10 @@ class Runner:
         return not any(t.is_alive() for t in pending)
 
     def _discard_trajectory(self, job: str, uploader: TrajectoryUploader) -> None:
-        """Delete what of ``job``'s trajectory was stored; what was still streaming ends first."""
+        """Delete what of ``job``'s trajectory may have been stored (a write whose reply was lost counts); what was
+        still streaming ends first."""
         uploader.stop()
-        if not uploader.uploaded:
+        if not uploader.may_have_stored:
             return
         try:
             deleted = delete_trajectory(self.store, trajectory_prefix(job))

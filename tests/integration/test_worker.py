@@ -468,27 +468,36 @@ def test_a_leader_that_fails_midway_leaves_no_partial_trajectory(
 
 
 class _WriteRefused(ObjectStore):
-    """The real store, except that every write of ``refused`` fails (as a full or failing bucket would)."""
+    """The real store, except that every write of ``refused`` fails (as a full or failing bucket would), and
+    every write under ``unanswered`` is stored but its reply lost (a timeout after the object reached S3)."""
 
     refused = ""
+    unanswered = "\0"
 
     def put(
         self, key: str, data: bytes, content_type: str = "application/octet-stream", *, retry: bool = True
     ) -> StoredObject:
         if key == self.refused:
             raise StoreError(f"refused {key} on purpose")
-        return super().put(key, data, content_type, retry=retry)
+        stored = super().put(key, data, content_type, retry=retry)
+        if key.startswith(self.unanswered):
+            raise StoreError(f"the reply to {key} was lost on purpose")
+        return stored
 
 
 def _handled_with_a_refused_write(
-    wsettings: WorkerSettings, store: ObjectStore, request: GenerationRequest, refused: str
+    wsettings: WorkerSettings,
+    store: ObjectStore,
+    request: GenerationRequest,
+    refused: str,
+    unanswered: str = "\0",
 ) -> GenerationResult:
-    """``request`` run to its end (its late uploads included) by a runner whose store refuses ``refused``; the
-    trajectory streamed, not packed."""
+    """``request`` run to its end (its late uploads included) by a runner whose store refuses ``refused`` (and
+    loses the replies under ``unanswered``); the trajectory streamed, not packed."""
     from workers.runner import Runner
 
     failing = _WriteRefused(store.endpoint, store.bucket, access_key="test", secret_key="test")
-    failing.refused = refused
+    failing.refused, failing.unanswered = refused, unanswered
     runner = Runner(wsettings.model_copy(update={"trajectory_pack_max_bytes": 0}), store=failing)
     try:
         result = runner.handle(order_for(request).model_dump_json(), worker="test")
@@ -566,3 +575,25 @@ def test_a_request_whose_video_cannot_be_stored_fails_and_leaves_no_trajectory(
     assert list(store.list(trajectory_prefix(request.request_id))) == []
     (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
     assert published.status is ResultStatus.FAILED
+
+
+def test_a_failed_request_deletes_a_trajectory_stored_without_a_reply(
+    wsettings: WorkerSettings,
+    results: ResultWatcher,
+    store: ObjectStore,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The trajectory's first write reached the store but its reply was lost (so nothing counts as stored and the
+    # stream stopped); then the video is refused and the request fails. What the store holds is deleted anyway.
+    caplog.set_level(logging.INFO, logger="workers.runner")
+    request = request_like("a request whose trajectory replies are lost")
+    prefix = trajectory_prefix(request.request_id)
+    refused = video_key(request.job_id, wsettings.video_format)
+    result = _handled_with_a_refused_write(wsettings, store, request, refused, unanswered=prefix)
+    assert result.status is ResultStatus.FAILED
+    assert result.error is not None and result.error.code == "store_error"
+    deleted = [
+        r.__dict__["objects"] for r in caplog.records if r.getMessage() == "partial trajectory deleted"
+    ]
+    assert deleted == [1]  # the header, stored without a reply; nothing was streamed after it
+    assert list(store.list(prefix)) == []
