@@ -474,7 +474,8 @@ class Runner:
             return
         try:
             deleted = delete_trajectory(self.store, trajectory_prefix(job))
-            log.info("partial trajectory deleted", extra={"job": job, "objects": deleted})
+            if deleted:  # none when the writes that went out were refused before storing anything
+                log.info("partial trajectory deleted", extra={"job": job, "objects": deleted})
         except StoreError as exc:
             log.warning("partial trajectory left in S3", extra={"job": job, "error": str(exc)})
 

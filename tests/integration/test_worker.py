@@ -597,3 +597,5 @@ def test_a_failed_request_deletes_a_trajectory_stored_without_a_reply(
     ]
     assert deleted == [1]  # the header, stored without a reply; nothing was streamed after it
     assert list(store.list(prefix)) == []
+    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    assert published.status is ResultStatus.FAILED

@@ -427,11 +427,15 @@ def _broker_pass(
 
 def _sustained(harness: _Harness, options: SchedOptions) -> dict[str, Any]:
     """A backlog drained as fast as the scheduler can: requests per second and CPU per request, unprofiled; then
-    another backlog (other prompts, so no exact hits on the first) drained under the profiler for where the time
+    another backlog (other prompts, so no exact hits on the first or on the latency pass) drained under the profiler for where the time
     goes. cProfile's hooks cost more than the scheduler's own Python on short calls (word alignments, planner
     rows), so a profiled drain overstates the cost per request: its CPU time is reported apart."""
-    measured = _drain(harness, _requests(options, options.backlog, "bl"), profiled=False)
-    requests = _requests(replace(options, seed=options.seed + 1), options.backlog, "blp")
+    # Each pass its own seed: a trace of the latency pass's length and seed is the same requests, which the
+    # scheduler would answer as exact hits (with ``--latency-requests`` equal to ``--backlog``, all of them).
+    measured = _drain(
+        harness, _requests(replace(options, seed=options.seed + 1), options.backlog, "bl"), profiled=False
+    )
+    requests = _requests(replace(options, seed=options.seed + 2), options.backlog, "blp")
     profiled = _drain(harness, requests, profiled=True)
     phases, top = _profile_summary(harness.profiles, profiled["handled"])
     return measured | {
@@ -488,8 +492,9 @@ def _wait_settled(harness: _Harness, requests: Sequence[GenerationRequest], *, t
     want = {r.request_id for r in requests}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        sent = sum(1 for r in want if r in workers.dispatched)
+        # Handled first: once the last poll's handler returned, every order it sent is in ``dispatched``.
         handled = harness.requests_done - harness.requests_before
+        sent = sum(1 for r in want if r in workers.dispatched)
         answered = harness.results_done - harness.results_before
         if handled >= len(want) and answered >= sent and workers.idle():
             return time.monotonic()

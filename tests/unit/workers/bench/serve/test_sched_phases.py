@@ -86,11 +86,11 @@ def test_a_drain_settles_only_when_the_handler_that_admitted_its_requests_return
 
     wrapped = harness.profiled("requests", handle)
     request = SimpleNamespace(request_id="r1")
-    poll = threading.Thread(target=wrapped, args=([SimpleNamespace(key=b"r1")],))
+    poll = threading.Thread(target=wrapped, args=([SimpleNamespace(key=b"r1")],), daemon=True)
     poll.start()
     assert admitted.wait(10)
     with pytest.raises(RuntimeError):
         _wait_settled(harness, [request], timeout_s=0.3)  # type: ignore[list-item]
     release.set()
     poll.join(10)
-    assert _wait_settled(harness, [request], timeout_s=5) > 0  # type: ignore[list-item]
+    _wait_settled(harness, [request], timeout_s=5)  # type: ignore[list-item]  # raises if it does not settle
