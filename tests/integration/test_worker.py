@@ -554,7 +554,13 @@ def test_a_header_that_cannot_be_stored_keeps_the_result_from_naming_a_trajector
     assert store.exists(f"videos/{request.request_id}.mp4")
 
 
+@pytest.mark.parametrize(
+    "replies_lost",
+    [False, True],
+    ids=["the trajectory streamed", "its first write stored without a reply"],
+)
 def test_a_request_whose_video_cannot_be_stored_fails_and_leaves_no_trajectory(
+    replies_lost: bool,
     wsettings: WorkerSettings,
     results: ResultWatcher,
     store: ObjectStore,
@@ -562,40 +568,21 @@ def test_a_request_whose_video_cannot_be_stored_fails_and_leaves_no_trajectory(
 ) -> None:
     # The trajectory streamed while the engine ran; the video then cannot be stored, so the request fails and
     # no result names the trajectory: what was stored is deleted, or another request could take it for a donor.
+    # With the replies lost, the header reached the store but nothing counted it stored (and the stream stopped):
+    # it is deleted all the same.
     caplog.set_level(logging.INFO, logger="workers.runner")
-    request = request_like("a request whose video the store refuses")
-    refused = video_key(request.job_id, wsettings.video_format)
-    result = _handled_with_a_refused_write(wsettings, store, request, refused)
-    assert result.status is ResultStatus.FAILED
-    assert result.error is not None and result.error.code == "store_error"
-    deleted = [
-        r.__dict__["objects"] for r in caplog.records if r.getMessage() == "partial trajectory deleted"
-    ]
-    assert deleted == [1 + request.num_steps]  # the header and every step had streamed
-    assert list(store.list(trajectory_prefix(request.request_id))) == []
-    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
-    assert published.status is ResultStatus.FAILED
-
-
-def test_a_failed_request_deletes_a_trajectory_stored_without_a_reply(
-    wsettings: WorkerSettings,
-    results: ResultWatcher,
-    store: ObjectStore,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    # The trajectory's first write reached the store but its reply was lost (so nothing counts as stored and the
-    # stream stopped); then the video is refused and the request fails. What the store holds is deleted anyway.
-    caplog.set_level(logging.INFO, logger="workers.runner")
-    request = request_like("a request whose trajectory replies are lost")
+    request = request_like(f"a request whose video the store refuses ({replies_lost=})")
     prefix = trajectory_prefix(request.request_id)
     refused = video_key(request.job_id, wsettings.video_format)
-    result = _handled_with_a_refused_write(wsettings, store, request, refused, unanswered=prefix)
+    unanswered = prefix if replies_lost else "\0"
+    result = _handled_with_a_refused_write(wsettings, store, request, refused, unanswered)
     assert result.status is ResultStatus.FAILED
     assert result.error is not None and result.error.code == "store_error"
     deleted = [
         r.__dict__["objects"] for r in caplog.records if r.getMessage() == "partial trajectory deleted"
     ]
-    assert deleted == [1]  # the header, stored without a reply; nothing was streamed after it
+    # The header alone, or the header and every step.
+    assert deleted == [1 if replies_lost else 1 + request.num_steps]
     assert list(store.list(prefix)) == []
     (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
     assert published.status is ResultStatus.FAILED
