@@ -507,6 +507,17 @@ def _handled_with_a_refused_write(
     return result
 
 
+def _assert_served_and_no_trajectory_left(
+    store: ObjectStore, results: ResultWatcher, request: GenerationRequest, result: GenerationResult
+) -> None:
+    """The request was served (its video stored, its result published as returned) and none of its trajectory
+    is left in the store."""
+    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    assert published == result
+    assert list(store.list(trajectory_prefix(request.request_id))) == []
+    assert store.exists(f"videos/{request.request_id}.mp4")
+
+
 def test_a_trajectory_whose_upload_fails_after_the_result_left_is_deleted(
     wsettings: WorkerSettings,
     results: ResultWatcher,
@@ -520,16 +531,13 @@ def test_a_trajectory_whose_upload_fails_after_the_result_left_is_deleted(
     # The result left before the upload ended, naming the trajectory and its exact size ...
     assert result.status is ResultStatus.DONE, result.error
     assert result.trajectory_uri == store.uri(prefix) and result.trajectory_bytes > 0
-    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
-    assert published == result
     # ... and when the upload then failed, what had been stored was deleted: a reader finds the donor gone
     # (``donor_gone``, and the scheduler evicts it) instead of a trajectory without its last step.
     failed = [
         r for r in caplog.records if r.getMessage().startswith("trajectory not stored after its result")
     ]
     assert len(failed) == 1 and "refused" in failed[0].__dict__["error"]
-    assert list(store.list(prefix)) == []
-    assert store.exists(f"videos/{request.request_id}.mp4")
+    _assert_served_and_no_trajectory_left(store, results, request, result)
 
 
 def test_a_header_that_cannot_be_stored_keeps_the_result_from_naming_a_trajectory(
@@ -546,12 +554,9 @@ def test_a_header_that_cannot_be_stored_keeps_the_result_from_naming_a_trajector
     result = _handled_with_a_refused_write(wsettings, store, request, header_key(prefix))
     assert result.status is ResultStatus.DONE, result.error
     assert result.trajectory_uri is None and result.trajectory_bytes == 0
-    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
-    assert published == result
     (failed,) = [r for r in caplog.records if r.getMessage() == "trajectory not stored"]
     assert "refused" in failed.__dict__["error"]
-    assert list(store.list(prefix)) == []
-    assert store.exists(f"videos/{request.request_id}.mp4")
+    _assert_served_and_no_trajectory_left(store, results, request, result)
 
 
 @pytest.mark.parametrize(

@@ -427,9 +427,10 @@ def _broker_pass(
 
 def _sustained(harness: _Harness, options: SchedOptions) -> dict[str, Any]:
     """A backlog drained as fast as the scheduler can: requests per second and CPU per request, unprofiled; then
-    another backlog (other prompts, so no exact hits on the first or on the latency pass) drained under the profiler for where the time
-    goes. cProfile's hooks cost more than the scheduler's own Python on short calls (word alignments, planner
-    rows), so a profiled drain overstates the cost per request: its CPU time is reported apart."""
+    another backlog (other prompts, so no exact hits on the first or on the latency pass) drained under the
+    profiler for where the time goes. cProfile's hooks cost more than the scheduler's own Python on short calls
+    (word alignments, planner rows), so a profiled drain overstates the cost per request: its CPU time is
+    reported apart."""
     # Each pass its own seed: a trace of the latency pass's length and seed is the same requests, which the
     # scheduler would answer as exact hits (with ``--latency-requests`` equal to ``--backlog``, all of them).
     measured = _drain(
