@@ -35,7 +35,6 @@ from pydantic import BaseModel, Field
 from qdrant_client import QdrantClient
 from qdrant_client.http import models as qm
 
-from chorus_sched.index_journal import use_write_ahead_log
 from chorus_sched.index_lock import LOCK_FILE, FolderLock, IndexUnavailable
 from chorus_sched.index_mirror import SearchMirror
 
@@ -279,16 +278,14 @@ class DonorIndex:
 
     def ensure_collection(self) -> None:
         with self.hold() as client:
-            if not client.collection_exists(self.collection):
-                client.create_collection(
-                    self.collection,
-                    vectors_config=qm.VectorParams(size=self.dim, distance=qm.Distance.COSINE),
-                )
-                # Local mode scans payloads and has no payload indexes; a server needs them to filter fast.
-                for name in ("compat_key", "tenant", "status") if self.server else ():
-                    client.create_payload_index(self.collection, name, qm.PayloadSchemaType.KEYWORD)
-            if self.path is not None:  # a property of the file: once per process is enough
-                use_write_ahead_log(self.path, self.collection)
+            if client.collection_exists(self.collection):
+                return
+            client.create_collection(
+                self.collection, vectors_config=qm.VectorParams(size=self.dim, distance=qm.Distance.COSINE)
+            )
+            # Local mode scans payloads and has no payload indexes; a server needs them to filter fast.
+            for name in ("compat_key", "tenant", "status") if self.server else ():
+                client.create_payload_index(self.collection, name, qm.PayloadSchemaType.KEYWORD)
 
     def upsert(self, entry: DonorEntry, vector: Sequence[float]) -> None:
         if len(vector) != self.dim:
