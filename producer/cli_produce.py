@@ -199,12 +199,14 @@ def _publish_and_follow(
     return sent, results
 
 
-def _read_lines(file: Path, err: Console) -> list[str]:
+def _read_lines(file: Path, err: Console) -> list[bytes]:
+    """The file's lines as bytes, split at newlines only: JSON strings may hold U+2028 and U+0085, which
+    ``str.splitlines`` also splits at, and a line that is not UTF-8 is that line's error, not the file's."""
     try:
-        text = sys.stdin.read() if str(file) == "-" else file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
+    except OSError as exc:
         _fail(err, f"cannot read {file}: {exc}")
-    return text.splitlines()
+    return [line.removesuffix(b"\r") for line in data.split(b"\n")]
 
 
 def _send(client: Any, requests: list[GenerationRequest], err: Console, *, quiet: bool) -> list[str]:

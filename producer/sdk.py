@@ -90,8 +90,10 @@ class BatchInvalid(ValueError):
         super().__init__(f"{len(errors)} invalid line(s); nothing was sent:\n{shown}{more}")
 
 
-def parse_jsonl(lines: Iterable[str], *, defaults: dict[str, Any] | None = None) -> Batch:
+def parse_jsonl(lines: Iterable[str | bytes], *, defaults: dict[str, Any] | None = None) -> Batch:
     """Validate each non-blank line as a request; never raises for bad input.
+
+    Lines may be bytes (a file read as it is): one that is not UTF-8 is an error of its own line, not the file's.
 
     ``defaults`` fill fields a line does not set (a line's own values win). A ``request_id`` repeated within
     the batch is an error on the later line (rule ``duplicate``): one id must name one request.
@@ -120,13 +122,13 @@ def parse_jsonl(lines: Iterable[str], *, defaults: dict[str, Any] | None = None)
     return batch
 
 
-def _parse_line(line: str, defaults: dict[str, Any] | None) -> GenerationRequest:
+def _parse_line(line: str | bytes, defaults: dict[str, Any] | None) -> GenerationRequest:
     if not defaults:
         return parse_request(line)
-    try:
-        data = json.loads(line)
-    except (ValueError, RecursionError):
-        return parse_request(line)  # raises ContractError naming the JSON error
+    try:  # decoded here, not by json.loads, which would also take UTF-16 and UTF-32 bytes
+        data = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return parse_request(line)  # raises ContractError naming the UTF-8 or JSON error
     if not isinstance(data, dict):
         return parse_request(line)  # raises ContractError: not an object
     return parse_request(json.dumps({**defaults, **data}))

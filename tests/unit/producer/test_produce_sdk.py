@@ -138,6 +138,29 @@ def test_produce_reports_bad_lines_and_sends_nothing(tmp_path: Path) -> None:
     assert doc["sent"] == [] and [line.split(":")[0] for line in doc["invalid"]] == ["line 3", "line 4"]
 
 
+def test_a_batch_file_splits_at_newlines_only_and_a_line_not_utf8_is_that_lines_error(tmp_path: Path) -> None:
+    # JSON strings may hold U+2028 and U+0085 unescaped (json.dumps(ensure_ascii=False) writes them);
+    # str.splitlines split the first line in three and numbered the rest wrongly.
+    path = tmp_path / "batch.jsonl"
+    lines = [
+        json.dumps({"prompt": "a red circle\u2028on black\u0085slowly"}, ensure_ascii=False).encode(),
+        b'{"prompt": "caf\xff"}',  # not UTF-8
+        json.dumps({"prompt": "a blue square"}).encode(),
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    runner = CliRunner()
+    # with defaults the lines are parsed by another path; "-" reads standard input
+    for source, extra in ((str(path), []), (str(path), ["--model", "toy"]), ("-", [])):
+        result = runner.invoke(
+            app,
+            ["produce", "--file", source, "--bootstrap", "127.0.0.1:1", *extra],
+            input=path.read_bytes() if source == "-" else None,
+        )
+        assert result.exit_code == 2, result.output
+        assert "1 invalid line(s); nothing was sent" in result.output
+        assert "line 2: <message>: not UTF-8 at byte 15 [utf8]" in result.output
+
+
 def test_produce_rejects_conflicting_or_invalid_options(tmp_path: Path) -> None:
     runner = CliRunner()
     both = runner.invoke(app, ["produce", "--prompt", "x", "--file", str(tmp_path / "f")])
