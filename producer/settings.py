@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Self
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 _API_VERSION = re.compile(r"^(auto|\d+(\.\d+){1,2})$")
 
@@ -57,13 +57,25 @@ _SECRET_WORDS = ("secret", "password", "key", "token")
 
 
 def is_settings_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a settings object's validation error (its title is the settings class' name)."""
-    return isinstance(exc, ValidationError) and exc.title.endswith("Settings")
+    """Whether ``exc`` is a settings object's validation error (its title is the settings class' name), or a
+    variable its source could not read at all (a structured setting's value that is not JSON)."""
+    return isinstance(exc, SettingsError) or (
+        isinstance(exc, ValidationError) and exc.title.endswith("Settings")
+    )
 
 
-def settings_error_line(exc: ValidationError) -> str:
+_UNREADABLE_FIELD = re.compile(r'field "(?P<field>\w+)"')
+
+
+def settings_error_line(exc: ValidationError | SettingsError) -> str:
     """One line naming each bad variable, the value it had (never a credential's) and what it must be, e.g.
     ``invalid setting CHORUS_LOG_LEVEL='verbose': must be 'DEBUG', 'INFO', 'WARNING' or 'ERROR'``."""
+    if isinstance(exc, SettingsError):  # pydantic-settings reads a structured field's variable as JSON first
+        found = _UNREADABLE_FIELD.search(str(exc))
+        name = f"CHORUS_{found['field'].upper()}" if found else "a CHORUS_ variable"
+        return (
+            f"invalid setting {name}: not JSON; this setting is read as JSON (a number, a list or an object)"
+        )
     parts: list[str] = []
     for error in exc.errors(include_url=False):
         field = ".".join(str(p) for p in error["loc"])

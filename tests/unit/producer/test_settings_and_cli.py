@@ -50,6 +50,15 @@ def test_bad_settings_name_the_field(
     assert field in str(excinfo.value)
 
 
+def test_a_structured_setting_that_is_not_json_is_one_line_naming_it() -> None:
+    # pydantic-settings reads a dict- or list-typed variable as JSON before validating: its failure is not a
+    # ValidationError, and it reached the operator as a traceback.
+    result = CliRunner().invoke(app, ["generate", "-p", "x"], env={"CHORUS_TORCH_THREADS": "garbage"})
+    assert result.exit_code == 2, result.output
+    assert "invalid setting CHORUS_TORCH_THREADS: not JSON" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_cli_lists_every_command() -> None:
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
