@@ -53,7 +53,7 @@ def produce(
     priority: int | None = typer.Option(None, help="Priority 0..9 (default 0)."),
     wait: bool = typer.Option(False, "--wait", help="Follow the results topic until every result arrived."),
     timeout: float | None = typer.Option(
-        None, help="Seconds to wait for results with --wait (default CHORUS_RESULT_TIMEOUT_S)."
+        None, min=0.0, help="Seconds to wait for results with --wait (default CHORUS_RESULT_TIMEOUT_S)."
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON document (for scripts) instead of tables."

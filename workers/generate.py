@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
@@ -35,7 +36,7 @@ _err = Console(stderr=True)
 
 
 def _fail(message: str) -> NoReturn:
-    _err.print(f"[bold red]error:[/] {escape(message)}")
+    _err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)  # one line, as scripts read it
     raise typer.Exit(code=2)
 
 
@@ -75,7 +76,9 @@ def generate(
     fmt: Literal["mp4", "gif"] | None = typer.Option(
         None, "--format", help="Video format (default: the output's suffix, else CHORUS_VIDEO_FORMAT)."
     ),
-    fps: int | None = typer.Option(None, help="Frames per second of the video (default: the model's)."),
+    fps: int | None = typer.Option(
+        None, min=1, help="Frames per second of the video (default: the model's)."
+    ),
     donor: Path | None = typer.Option(None, help="A trajectory file (from --save-trajectory) to reuse."),
     k1: int | None = typer.Option(
         None, help="Stage-1 steps: taken whole from the donor (default 20% of steps)."
@@ -132,12 +135,12 @@ def generate(
     plan = _plan(request.num_steps, donor, stages, alpha, mask_threshold, (min_active, max_active))
     if verify and donor is not None and plan.stage1_steps > 0:
         plan = _verified(plan, verify_accept, verify_shorten)
-    video_fmt = fmt or (
-        output.suffix.lstrip(".").lower() if output and output.suffix else settings.video_format
-    )
-    if video_fmt not in ("mp4", "gif"):
-        _fail(f"--format must be mp4 or gif, not {video_fmt!r}")
+    video_fmt = _video_format(fmt, output, settings.video_format)
     out_path = output or Path(f"chorus-{request.request_id[:8]}.{video_fmt}")
+    # Checked before the model runs: a missing folder would otherwise lose the finished work.
+    _writable(out_path, "--output")
+    if save_trajectory is not None:
+        _writable(save_trajectory, "--save-trajectory")
 
     donor_traj = _read_donor(donor) if donor is not None else None
     engine_settings = (model, device or settings.device, dtype or settings.dtype, settings)
@@ -157,6 +160,26 @@ def generate(
         typer.echo(json.dumps(summary, indent=2))
         return
     _print_summary(result, request, plan, donor_traj, summary, video_fmt, trajectory_dtype)
+
+
+def _video_format(fmt: str | None, output: Path | None, default: str) -> str:
+    """The format to write: ``--format``, else the output's suffix, else the setting; they must agree."""
+    suffix = output.suffix.lstrip(".").lower() if output is not None and output.suffix else None
+    if fmt is not None and suffix is not None and suffix != fmt:
+        _fail(f"--format {fmt} disagrees with the output's suffix .{suffix}: name the file .{fmt}")
+    if fmt is None and suffix is not None and suffix not in ("mp4", "gif"):
+        _fail(f"the output's suffix .{suffix} is not a format Chorus writes: name it .mp4 or .gif")
+    return fmt or suffix or default  # CHORUS_VIDEO_FORMAT is checked by the settings
+
+
+def _writable(path: Path, option: str) -> None:
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        _fail(f"{option} {path} is a directory: name a file")
+    if not folder.is_dir():
+        _fail(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        _fail(f"{option} {path}: the folder {folder} is not writable")
 
 
 def _run_and_write(

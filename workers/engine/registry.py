@@ -410,4 +410,20 @@ def load_bundle(
     if loader is None:
         raise ModelUnavailable(f"unknown model {name!r} (known: {', '.join(sorted(LOADERS))})")
     log.info("loading model", extra={"model": name, "device": str(device), "dtype": str(dtype)})
-    return loader(device, dtype, wan21_dir=wan21_dir, toy_weights_dir=toy_weights_dir)
+    return loader(usable_device(device), dtype, wan21_dir=wan21_dir, toy_weights_dir=toy_weights_dir)
+
+
+def usable_device(device: DeviceLike) -> torch.device:
+    """``device`` as a torch device this process can run on. Raises ``ModelUnavailable`` saying why not, before
+    any weights load (torch would fail later, deep in a loader, with an assertion about its build)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelUnavailable(
+            f"device {str(device)!r} is not a torch device; use e.g. cpu, cuda or cuda:1 (CHORUS_DEVICE)"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelUnavailable(
+            f"device {str(device)!r}: this torch has no CUDA device to use here; use cpu (CHORUS_DEVICE=cpu)"
+        )
+    return dev

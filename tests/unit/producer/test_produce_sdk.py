@@ -165,5 +165,7 @@ def test_produce_rejects_conflicting_or_invalid_options(tmp_path: Path) -> None:
     runner = CliRunner()
     both = runner.invoke(app, ["produce", "--prompt", "x", "--file", str(tmp_path / "f")])
     assert both.exit_code == 2 and "exactly one of --prompt or --file" in both.output
+    negative = runner.invoke(app, ["produce", "--prompt", "x", "--wait", "--timeout", "-5"])
+    assert negative.exit_code == 2 and "--timeout" in negative.output  # refused before anything is sent
     bad = runner.invoke(app, ["produce", "--prompt", "x", "--model", "toy", "--num-frames", "9"])
     assert bad.exit_code == 2 and "num_frames: must be 8 for model 'toy' (got 9) [model_shape]" in bad.output

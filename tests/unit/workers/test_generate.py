@@ -102,3 +102,34 @@ def test_generate_rejects_bad_input(tmp_path):
     assert r.exit_code == 2 and "cannot read donor" in r.output
     r = runner.invoke(app, ["generate", "-p", "x", *SMALL, "--format", "avi"])
     assert r.exit_code == 2
+
+
+def test_generate_refuses_outputs_and_devices_it_cannot_use_before_the_model_runs(tmp_path):
+    missing = tmp_path / "no-such-folder"
+    cases = [
+        (
+            ["-o", str(missing / "v.mp4")],
+            f"--output {missing / 'v.mp4'}: the folder {missing} does not exist",
+        ),
+        (
+            ["-o", str(tmp_path / "v.mp4"), "--save-trajectory", str(missing / "t.safetensors")],
+            "--save-trajectory",
+        ),
+        (["-o", str(tmp_path)], "is a directory"),
+        (["-o", str(tmp_path / "v.avi")], "the output's suffix .avi is not a format Chorus writes"),
+        (
+            ["--format", "gif", "-o", str(tmp_path / "v.mp4")],
+            "--format gif disagrees with the output's suffix",
+        ),
+        (["--device", "banana"], "device 'banana' is not a torch device"),
+        (["-o", str(tmp_path / "v.mp4"), "--device", "cuda:0"], "device 'cuda:0'"),
+    ]
+    for extra, says in cases:
+        r = runner.invoke(app, ["generate", "-p", "x", *SMALL, *extra])
+        assert r.exit_code == 2, (extra, r.output)
+        assert says in r.output and len(r.output.strip().splitlines()) == 1, (extra, r.output)
+        assert "Traceback" not in r.output
+    r = runner.invoke(app, ["generate", "-p", "x", *SMALL, "--fps", "0"])  # 0 was taken as "the model's"
+    assert r.exit_code == 2 and "--fps" in r.output
+    # the trajectory folder was checked before any work: no video was written for the run that named it
+    assert not (tmp_path / "v.mp4").exists()
