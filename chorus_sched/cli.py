@@ -30,7 +30,7 @@ def scheduler() -> None:
     from chorus_sched.settings import SchedulerSettings
     from producer.bus import BrokerUnreachable, is_bootstrap_failure
     from producer.logs import configure_logging
-    from producer.settings import settings_error_line
+    from producer.settings import UnusableSetting, settings_error_line
 
     try:
         settings = SchedulerSettings()
@@ -51,6 +51,9 @@ def scheduler() -> None:
         run(settings, stop)
     except CalibrationError as exc:
         typer.echo(f"calibration table rejected: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    except UnusableSetting as exc:
+        typer.echo(f"scheduler stopped: {exc}", err=True)
         raise typer.Exit(code=2) from None
     except ServiceUnreachable as exc:  # one line; the traceback only at CHORUS_LOG_LEVEL=DEBUG
         log.debug("a backing service is unreachable", exc_info=exc)

@@ -9,6 +9,7 @@ import redis
 from chorus_sched.ledger import DEFAULT_TTL_S, Ledger
 from chorus_sched.ledger_redis import RedisLedger
 from chorus_sched.ledger_sqlite import SqliteLedger
+from producer.settings import UnusableSetting
 
 
 def ledger_from_url(url: str, *, prefix: str = "chorus:", ttl_s: int = DEFAULT_TTL_S) -> Ledger:
@@ -18,7 +19,12 @@ def ledger_from_url(url: str, *, prefix: str = "chorus:", ttl_s: int = DEFAULT_T
         return SqliteLedger(Path(url[len("sqlite:///") :]), prefix=prefix, ttl_s=ttl_s)
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisLedger(redis.Redis.from_url(url, decode_responses=True), prefix=prefix, ttl_s=ttl_s)
-    raise ValueError(f"unsupported ledger URL {url!r} (redis://…, rediss://…, unix://… or sqlite:///…)")
+    # Named by its scheme only: the URL may hold a password.
+    scheme = repr(url.split("://", 1)[0] + "://") if "://" in url else "a URL without a scheme"
+    raise UnusableSetting(
+        f"CHORUS_REDIS_URL: no ledger store for {scheme}; use redis://, rediss://, unix:// or sqlite:///, "
+        "or leave it empty for the embedded one"
+    )
 
 
 def open_ledger(

@@ -29,6 +29,7 @@ from typing import Any, TypeVar, overload
 from celery import Celery
 from celery.result import AsyncResult
 from kombu import Exchange, Queue
+from kombu.transport import resolve_transport
 
 from producer.file_backend import atomic_file_url
 from producer.file_transport import TRANSPORT_PATH
@@ -42,7 +43,7 @@ from producer.orders import (
     queue_for,
     route,
 )
-from producer.settings import BrokerSettings
+from producer.settings import BrokerSettings, UnusableSetting
 
 EXCHANGE = Exchange("chorus", type="direct", durable=True)
 # Headroom of the broker's redelivery timer over the hard time limit.
@@ -83,6 +84,7 @@ def celery_config(settings: BrokerSettings) -> dict[str, Any]:
     transport_options: dict[str, Any] = {}
     if settings.broker_url:
         broker_url = settings.broker_url
+        _check_transport(broker_url)
         result_backend: str | None = settings.result_backend or (
             broker_url if broker_url.startswith(("redis://", "rediss://")) else None
         )
@@ -143,6 +145,19 @@ def celery_config(settings: BrokerSettings) -> dict[str, Any]:
         "timezone": "UTC",
         "enable_utc": True,
     }
+
+
+def _check_transport(broker_url: str) -> None:
+    """Refuse a broker URL no installed kombu transport speaks now, not at the first order (where it failed
+    every order). Names the scheme only: the URL may hold a password."""
+    scheme = broker_url.split("://", 1)[0].split("+", 1)[0]  # "sqla+postgresql://": the transport is "sqla"
+    try:
+        resolve_transport(scheme)
+    except (KeyError, ImportError) as exc:
+        raise UnusableSetting(
+            f"CHORUS_BROKER_URL: no Celery transport for {scheme + '://'!r} here ({exc}); use amqp://, "
+            "redis:// or rediss://, or leave it empty for the embedded broker"
+        ) from None
 
 
 def new_app(settings: BrokerSettings, config: Mapping[str, Any]) -> Celery:

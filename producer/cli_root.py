@@ -14,7 +14,13 @@ from typer._click.core import Context
 from typer.core import TyperGroup
 
 from producer.logs import debug_enabled, set_debug
-from producer.settings import ENV_FILE_VARIABLE, EnvFileMissing, is_settings_error, use_env_file
+from producer.settings import (
+    ENV_FILE_VARIABLE,
+    EnvFileMissing,
+    UnusableSetting,
+    is_settings_error,
+    use_env_file,
+)
 
 STACK_HINT = (
     "is the stack running? start it with `./scripts/demo.sh --keep-running` and use its env file "
@@ -70,7 +76,7 @@ def one_line_error(exc: BaseException) -> tuple[str, int] | None:
     """(message, exit code) for a failure an operator can fix from its message alone; None for anything else."""
     from producer.bus import BrokerUnreachable
 
-    if isinstance(exc, EnvFileMissing):
+    if isinstance(exc, EnvFileMissing | UnusableSetting):
         return str(exc), 2
     if is_settings_error(exc):
         from producer.settings import settings_error_line

@@ -24,6 +24,11 @@ _API_VERSION = re.compile(r"^(auto|\d+(\.\d+){1,2})$")
 ENV_FILE_VARIABLE = "CHORUS_ENV_FILE"
 
 
+class UnusableSetting(ValueError):
+    """A setting well-formed as text that names something this process cannot use (a URL whose scheme no
+    adapter speaks): raised by the adapter that reads it, when the service starts, as one line naming it."""
+
+
 class EnvFileMissing(FileNotFoundError):
     """The env file named by ``CHORUS_ENV_FILE`` (or ``--env-file``) does not exist."""
 

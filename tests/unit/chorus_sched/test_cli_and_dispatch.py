@@ -42,6 +42,24 @@ def test_an_unreachable_index_or_ledger_stops_the_scheduler_with_one_line(
     assert "Traceback" not in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        # took every request, then failed each order five times with KeyError('No such transport: garbage')
+        ({"CHORUS_BROKER_URL": "garbage://x"}, "CHORUS_BROKER_URL: no Celery transport for 'garbage://'"),
+        # a traceback, then "scheduler stopped on an error"; the password must not be echoed
+        ({"CHORUS_REDIS_URL": "mysql://u:s3cret@h/db"}, "CHORUS_REDIS_URL: no ledger store for 'mysql://'"),
+    ],
+)
+def test_a_service_url_no_adapter_speaks_stops_the_scheduler_with_one_line(
+    tmp_path: Path, env: dict[str, str], says: str
+) -> None:
+    result = run_scheduler(tmp_path, CHORUS_EMBEDDER="hashing", CHORUS_METRICS_PORT="0", **env)
+    assert result.returncode == 2, result.stderr
+    assert f"scheduler stopped: {says}" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout and "s3cret" not in result.stderr
+
+
 def test_a_bad_calibration_file_stops_the_scheduler_before_it_consumes(tmp_path: Path) -> None:
     bad = tmp_path / "calibration.json"
     bad.write_text('{"format": "chorus-calibration/1"}')
