@@ -62,6 +62,7 @@ from producer.local.config import StackError, StackOptions, metrics_ports, servi
 from producer.local.processes import Role, ServiceProcess, chorus_command, dying_with_parent, kill_group
 from producer.local.ready import POLL_S, wait_ready
 from producer.local.standins import EmbeddedService, start_service
+from producer.local.state_lock import StateFolderLock
 from producer.settings import ProducerSettings
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class EmbeddedStack:
         self._s3_access_key = ""
         self._s3_secret_key = ""
         self._started = False
+        self._folder_lock = StateFolderLock(self.state_dir)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
@@ -112,7 +114,7 @@ class EmbeddedStack:
         self.processes = []  # a stopped stack may be started again (the processes of its last run stay listed)
         opts = self.options
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._folder_lock.acquire()  # before anything is written there
             self.log_dir.mkdir(parents=True, exist_ok=True)
             started = time.monotonic()
             self.kafka = start_service("kafka", log_path=self.log_dir / "kafka.log")
@@ -179,6 +181,7 @@ class EmbeddedStack:
         finally:
             self.s3 = self.kafka = None
             self._started = False
+            self._folder_lock.release()
 
     def _terminate(self, group: list[ServiceProcess]) -> None:
         for p in group:
@@ -419,4 +422,6 @@ def wipe_state(state_dir: Path) -> None:
     markers = ("logs", "s3", "ledger.sqlite3", "qdrant", "celery")
     if path == Path(path.anchor) or path == Path.home() or not any((path / m).exists() for m in markers):
         raise StackError(f"{path} does not look like a Chorus state directory; not removing it")
+    if StateFolderLock(path).held_elsewhere():
+        raise StackError(f"{path} is the state folder of a running Chorus stack; stop it before wiping it")
     shutil.rmtree(path)

@@ -105,6 +105,9 @@ def test_the_stack_serves_stops_cleanly_and_restarts_with_its_objects_and_donors
             int(a.rsplit(":", 1)[1]) for a in (stack.kafka_address, stack.s3_endpoint)
         ]
         assert all(_listening(port) for port in ports[-2:])  # Kafka and S3 serve while the stack runs
+        # A second stack on this folder would share its Celery folders and worker names: refused at once.
+        with pytest.raises(StackError, match="in use by another Chorus stack"):
+            EmbeddedStack(options).start()
     assert not stack.running
     # Nothing is left: the services (with their pool processes), the stand-ins, their ports.
     assert all(p.process.returncode is not None for p in processes)
