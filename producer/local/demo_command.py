@@ -161,7 +161,7 @@ def demo(
         err.print("[yellow]interrupted[/]: the stack is stopped and its state kept")
         raise typer.Exit(code=130) from None
     except DemoFailed as exc:
-        err.print(f"[bold red]demo failed:[/] {escape(str(exc))}")
+        err.print(f"[bold red]demo failed:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=1) from None
 
 
@@ -228,6 +228,7 @@ def _run_demo(console: Console, run: DemoRun) -> DemoSummary:
     run_id = started_at.strftime("%m%d%H%M%S") + uuid.uuid4().hex[:4]
     items = build_stream(run.families, run.per_family, seed=run.seed, run_id=run_id)
     requests = [_request(run, i.request_id, i.prompt, seed=i.seed, reuse=i.reuse) for i in items]
+    _ready_output(run.out)  # before the stream, not after it: a bad --out lost the run's results
     stack = _start_stack(console, run, run_id, len(items))
     with stack:
         t_ready = time.monotonic()
@@ -280,6 +281,15 @@ def _request(
         tenant="demo",
         **fields,
     )
+
+
+def _ready_output(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise DemoFailed(f"--out {out} is a file: name a folder for the videos and summary")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoFailed(f"cannot create --out {out}: {exc.strerror or exc}") from None
 
 
 def _start_stack(console: Console, run: DemoRun, run_id: str, n_requests: int) -> EmbeddedStack:

@@ -28,8 +28,13 @@ class StateFolderLock:
         """Hold the folder, or raise ``StackError`` naming the stack that holds it."""
         if self._file is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = self.path.open("a+")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = self.path.open("a+")
+        except OSError as exc:
+            raise StackError(
+                f"cannot use the state folder {self.path.parent}: {exc.strerror or exc}"
+            ) from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

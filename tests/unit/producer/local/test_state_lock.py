@@ -75,3 +75,10 @@ def test_fresh_never_wipes_the_folder_of_a_running_stack(tmp_path: Path) -> None
         time.sleep(0.05)
     wipe_state(state)
     assert not state.exists()
+
+
+def test_a_folder_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(StackError, match=f"cannot use the state folder {blocker / 'state'}"):
+        StateFolderLock(blocker / "state").acquire()
