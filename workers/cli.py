@@ -25,7 +25,7 @@ def worker(
         None,
         "--model",
         "-m",
-        help="Model to serve (repeatable). Default: CHORUS_WORKER_MODELS, else every model.",
+        help="Model to serve (repeatable). Default: CHORUS_WORKER_MODELS, else every model that can load here.",
     ),
     concurrency: int | None = typer.Option(
         None, "--concurrency", "-c", help="Worker processes (default CHORUS_WORKER_CONCURRENCY)."
@@ -74,6 +74,7 @@ def worker(
         err.print(f"[bold red]error:[/] {escape(settings_error_line(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     configure_logging(settings.log_level, settings.log_format)
+    settings = _servable(settings, err)
 
     # Metrics: multiprocess mode and the endpoint start here, in the main process, before any metric exists
     # and before the pool forks (workers/metrics.py).
@@ -116,6 +117,31 @@ def worker(
     finally:
         if exposition is not None:
             exposition.close()
+
+
+def _servable(settings: WorkerSettings, err: Console) -> WorkerSettings:
+    """The settings with only the models this worker can load, checked before it announces any (the scheduler
+    sends a model's orders to whoever announces it). A model named (``--model``, ``CHORUS_WORKER_MODELS``) that
+    cannot load stops the worker; of the default, every catalog model, those that cannot are left out."""
+    from workers.engine.errors import ModelUnavailable
+    from workers.engine.registry import check_available
+
+    servable: list[str] = []
+    refused: dict[str, str] = {}
+    for m in settings.served_models:
+        try:
+            check_available(m, device=settings.device, wan21_dir=settings.wan21_dir)
+        except ModelUnavailable as exc:
+            refused[m] = str(exc)
+        else:
+            servable.append(m)
+    if refused and (settings.worker_models or not servable):
+        name, reason = next(iter(refused.items()))
+        err.print(f"[bold red]error:[/] cannot serve {escape(name)}: {escape(reason)}", soft_wrap=True)
+        raise typer.Exit(code=2)
+    for name, reason in refused.items():
+        log.warning("model left out: it cannot load here", extra={"model": name, "reason": reason})
+    return settings.model_copy(update={"worker_models": servable}) if refused else settings
 
 
 def _preload_in_each_process(app: Any, settings: Any, models: list[str]) -> None:

@@ -59,7 +59,8 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
 
     # --- Celery worker -------------------------------------------------------------------------------
     # Models whose queues this worker consumes (comma-separated in CHORUS_WORKER_MODELS); empty: every model
-    # in the catalog. A worker process loads each model it serves once, on its first order for it.
+    # in the catalog that can load here (``chorus worker`` leaves out one whose device or directory is missing).
+    # A worker process loads each model it serves once, on its first order for it.
     worker_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Prefork pool size; the autoscale bounds are what `chorus worker --autoscale` uses by default.
     worker_concurrency: int = Field(default=1, ge=1, le=256)

@@ -350,14 +350,19 @@ def load_wan21_dir(
     )
 
 
-def _load_wan21(device: DeviceLike, dtype: DTypeLike, wan21_dir: Path | None = None, **_: Any) -> ModelBundle:
+def _wan21_directory(wan21_dir: Path | None) -> Path:
     if wan21_dir is None:
         raise ModelUnavailable(
             "wan2.1-t2v-1.3b needs a local diffusers directory: set CHORUS_WAN21_DIR (weights are never downloaded)"
         )
     if not Path(wan21_dir).is_dir():
         raise ModelUnavailable(f"wan2.1-t2v-1.3b directory {wan21_dir} does not exist")
-    return load_wan21_dir(Path(wan21_dir), spec=CATALOG["wan2.1-t2v-1.3b"], device=device, dtype=dtype)
+    return Path(wan21_dir)
+
+
+def _load_wan21(device: DeviceLike, dtype: DTypeLike, wan21_dir: Path | None = None, **_: Any) -> ModelBundle:
+    directory = _wan21_directory(wan21_dir)
+    return load_wan21_dir(directory, spec=CATALOG["wan2.1-t2v-1.3b"], device=device, dtype=dtype)
 
 
 # --- the toy model (another package) ----------------------------------------------------------------------
@@ -406,11 +411,26 @@ def load_bundle(
     toy_weights_dir: Path | None = None,
 ) -> ModelBundle:
     """Load the model registered under ``name`` (a ``producer.catalog`` name). Raises ``ModelUnavailable``."""
+    loader = _loader(name)
+    log.info("loading model", extra={"model": name, "device": str(device), "dtype": str(dtype)})
+    return loader(usable_device(device), dtype, wan21_dir=wan21_dir, toy_weights_dir=toy_weights_dir)
+
+
+def _loader(name: str) -> Loader:
     loader = LOADERS.get(name)
     if loader is None:
         raise ModelUnavailable(f"unknown model {name!r} (known: {', '.join(sorted(LOADERS))})")
-    log.info("loading model", extra={"model": name, "device": str(device), "dtype": str(dtype)})
-    return loader(usable_device(device), dtype, wan21_dir=wan21_dir, toy_weights_dir=toy_weights_dir)
+    return loader
+
+
+def check_available(name: str, *, device: DeviceLike, wan21_dir: Path | None = None) -> None:
+    """Raise ``ModelUnavailable`` for what ``load_bundle`` would refuse before reading any weights: an unknown
+    name, a device this process cannot use, a Wan2.1 directory that is not there. A worker checks its models with
+    this before it announces them, so orders for a model it cannot load are not sent to it."""
+    _loader(name)
+    usable_device(device)
+    if name == "wan2.1-t2v-1.3b":
+        _wan21_directory(wan21_dir)
 
 
 def usable_device(device: DeviceLike) -> torch.device:

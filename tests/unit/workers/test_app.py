@@ -163,3 +163,37 @@ def test_a_filesystem_client_binds_every_queue_before_it_sends(tmp_path: Path) -
     app_for_broker("", state_dir=tmp_path)
     table = json.loads((tmp_path / "celery" / "control" / "chorus.exchange").read_text())
     assert {queue for _key, _pattern, queue in table} >= set(all_queues())
+
+
+def test_a_worker_announces_only_the_models_it_can_load(tmp_path: Path) -> None:
+    import typer
+    from rich.console import Console
+
+    from workers.cli import _servable
+
+    quiet = Console(quiet=True)
+    # The default, every catalog model: Wan2.1 without its directory is left out, so its orders are not sent here
+    # (they were, and each failed model_unavailable).
+    default = _servable(WorkerSettings(state_dir=tmp_path, wan21_dir=None), quiet)
+    assert default.served_models == sorted(set(CATALOG) - {"wan2.1-t2v-1.3b"})
+    # Named, a model that cannot load stops the worker instead.
+    with pytest.raises(typer.Exit) as stopped:
+        _servable(
+            WorkerSettings(state_dir=tmp_path, worker_models=["wan2.1-t2v-1.3b"], wan21_dir=None), quiet
+        )
+    assert stopped.value.exit_code == 2
+    named = WorkerSettings(state_dir=tmp_path, worker_models=["toy"])
+    assert _servable(named, quiet) is named
+
+
+def test_a_worker_on_a_device_it_cannot_use_does_not_start() -> None:
+    import torch
+    from typer.testing import CliRunner
+
+    from producer.cli import app
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = CliRunner().invoke(app, ["worker", "--model", "toy"], env={"CHORUS_DEVICE": "cuda"})
+    assert result.exit_code == 2
+    assert "cannot serve toy: device 'cuda': this torch has no CUDA device" in result.output
