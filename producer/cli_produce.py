@@ -251,6 +251,7 @@ def _table(requests: list[GenerationRequest], results: dict[str, GenerationResul
     for column in (
         "request",
         "status",
+        "reuse",
         "donor (sim)",
         "steps",
         "tokens",
@@ -262,16 +263,20 @@ def _table(requests: list[GenerationRequest], results: dict[str, GenerationResul
     for request in requests:
         r = results.get(request.request_id)
         if r is None:
-            table.add_row(escape(request.request_id), "[red]no result[/]", "", "", "", "", "", "")
+            table.add_row(escape(request.request_id), "[red]no result[/]", *[""] * 7)
             continue
         status = "[green]done[/]" if r.status is ResultStatus.DONE else f"[red]{r.status}[/]"
         donor = f"{r.donor.request_id} ({r.donor.similarity:.2f})" if r.donor else "-"
         note = f"{r.error.code}: {r.error.message}" if r.error else (r.fallback or "")
         t = r.timings
         total = t.queue_s + t.fetch_s + t.denoise_s + t.decode_s + t.upload_s
+        # What the video is, and whether it is the requested seed's own sample (a Stage-1 donor of another
+        # seed gives a valid video for the prompt, but not that one).
+        reuse = str(r.reuse) + ("" if r.seed_honoured else ", donor's seed")
         table.add_row(
             escape(r.request_id),
             status,
+            escape(reuse),
             escape(donor),
             f"{r.steps_computed}/{r.steps_requested}",
             f"{r.tokens_computed_fraction:.2f}",

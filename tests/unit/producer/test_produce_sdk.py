@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -169,3 +170,23 @@ def test_produce_rejects_conflicting_or_invalid_options(tmp_path: Path) -> None:
     assert negative.exit_code == 2 and "--timeout" in negative.output  # refused before anything is sent
     bad = runner.invoke(app, ["produce", "--prompt", "x", "--model", "toy", "--num-frames", "9"])
     assert bad.exit_code == 2 and "num_frames: must be 8 for model 'toy' (got 9) [model_shape]" in bad.output
+
+
+def test_the_results_table_says_what_each_video_is() -> None:
+    from rich.console import Console
+
+    from producer.cli_produce import _table
+    from producer.contract import GenerationResult, ResultStatus, ReuseKind, build_request
+
+    requests = [build_request(request_id=f"r{i}", prompt="a red circle", model="toy") for i in range(3)]
+    done = {"status": ResultStatus.DONE, "steps_requested": 4, "video_uri": "s3://b/v"}
+    results = {
+        "r0": GenerationResult(request_id="r0", reuse=ReuseKind.STAGE1, seed_honoured=False, **done),
+        "r1": GenerationResult(request_id="r1", reuse=ReuseKind.EXACT, **done),
+    }
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(_table(requests, results))
+    rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "│" in line}
+    assert "stage1, donor's seed" in rows["r0"]  # a valid video for the prompt, not the requested seed's own
+    assert " exact " in rows["r1"] and "donor's seed" not in rows["r1"]
+    assert "no result" in rows["r2"]
