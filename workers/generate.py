@@ -197,6 +197,7 @@ def _run_and_write(
     """Load the model, generate, write the video (and the trajectory if asked): the output and its summary."""
     from workers.engine.engine import Engine
     from workers.engine.errors import IncompatibleDonor
+    from workers.results import reuse_kind, seed_honoured
     from workers.video import encode_video
 
     model, device, dtype, settings = engine_settings
@@ -210,8 +211,19 @@ def _run_and_write(
     traj_bytes = None
     if save_trajectory is not None:
         traj_bytes = result.trajectory.save(save_trajectory, trajectory_dtype)
+    reuse = reuse_kind(
+        had_donor=result.donor_request_id is not None,
+        steps_computed=result.steps_computed,
+        steps_requested=result.steps_requested,
+        tokens_computed_fraction=result.tokens_computed_fraction,
+    )
     summary = {
         **result.summary(),
+        "reuse": str(reuse),
+        # as in a served result: False when the first steps are a donor's of another seed
+        "seed_honoured": seed_honoured(
+            reuse, donor_seed=donor_traj.meta.seed if donor_traj is not None else None, seed=request.seed
+        ),
         "model": model,
         "plan": plan.model_dump(),
         "output": str(out_path),
@@ -336,7 +348,8 @@ def _print_summary(
         "video",
         f"{summary['output']} ({summary['video_bytes']:,} bytes, {video_fmt}, {result.frames.shape[0]} frames)",
     )
-    table.add_row("request", f"{request.request_id}  model {summary['model']}  seed {request.seed}")
+    seed = f"seed {request.seed}" + ("" if summary["seed_honoured"] else " (the donor's: another sample)")
+    table.add_row("request", f"{request.request_id}  model {summary['model']}  {seed}")
     table.add_row(
         "steps",
         f"{result.steps_computed}/{result.steps_requested} computed, "

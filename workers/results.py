@@ -108,7 +108,12 @@ def done_result(
     verification: VerificationReport | None = None,
 ) -> GenerationResult:
     request = order.request
-    reuse = _reuse_kind(order, steps_computed, tokens_computed_fraction)
+    reuse = reuse_kind(
+        had_donor=order.donor is not None,
+        steps_computed=steps_computed,
+        steps_requested=request.num_steps,
+        tokens_computed_fraction=tokens_computed_fraction,
+    )
     return GenerationResult(
         request_id=request.request_id,
         tenant=request.tenant,
@@ -126,7 +131,7 @@ def done_result(
         timings=timings,
         worker=worker,
         reuse=reuse,
-        seed_honoured=reuse is not ReuseKind.STAGE1 or donor_seed == request.seed,
+        seed_honoured=seed_honoured(reuse, donor_seed=donor_seed, seed=request.seed),
         prompt_tokens_used=prompt_tokens_used,
         prompt_truncated=prompt_truncated,
         verification=verification,
@@ -157,11 +162,19 @@ def failed_result(
     )
 
 
-def _reuse_kind(order: WorkOrder, steps_computed: int, tokens_computed_fraction: float) -> ReuseKind:
+def reuse_kind(
+    *, had_donor: bool, steps_computed: int, steps_requested: int, tokens_computed_fraction: float
+) -> ReuseKind:
     """Stage 1 if steps were skipped outright, Stage 2 if only tokens were; none if everything was computed."""
-    if order.donor is None or tokens_computed_fraction >= 1.0 - 1e-6:
+    if not had_donor or tokens_computed_fraction >= 1.0 - 1e-6:
         return ReuseKind.NONE
-    return ReuseKind.STAGE1 if steps_computed < order.request.num_steps else ReuseKind.STAGE2
+    return ReuseKind.STAGE1 if steps_computed < steps_requested else ReuseKind.STAGE2
+
+
+def seed_honoured(reuse: ReuseKind, *, donor_seed: int | None, seed: int) -> bool:
+    """Whether the video is the requested seed's own sample: not when its first steps are a donor's of another
+    seed (a valid video for the prompt, but another sample)."""
+    return reuse is not ReuseKind.STAGE1 or donor_seed == seed
 
 
 def _donor_info(order: WorkOrder) -> DonorInfo | None:

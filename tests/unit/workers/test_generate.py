@@ -33,6 +33,7 @@ def test_generate_then_reuse(tmp_path):
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
     assert summary["steps_computed"] == 4 and summary["trajectory_bytes"] == traj.stat().st_size
+    assert (summary["reuse"], summary["seed_honoured"]) == ("none", True)
     assert read_video(video).shape == (4, 32, 32, 3)
 
     gif = tmp_path / "b.gif"
@@ -62,6 +63,7 @@ def test_generate_then_reuse(tmp_path):
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
     assert summary["donor"] is not None and summary["steps_computed"] == 3
+    assert (summary["reuse"], summary["seed_honoured"]) == ("stage1", True)  # the donor's seed is this one's
     assert summary["tokens_computed_fraction"] <= (0 + 0.5 + 0.5 + 1) / 4 + 1e-9
     assert summary["verification"] is None
     assert gif.read_bytes().startswith(b"GIF8")
@@ -133,3 +135,12 @@ def test_generate_refuses_outputs_and_devices_it_cannot_use_before_the_model_run
     assert r.exit_code == 2 and "--fps" in r.output
     # the trajectory folder was checked before any work: no video was written for the run that named it
     assert not (tmp_path / "v.mp4").exists()
+
+
+def test_generate_says_when_the_video_starts_from_another_seeds_donor(tmp_path):
+    r = _reuse(tmp_path, "--seed", "2", "--no-verify", "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert (summary["reuse"], summary["seed_honoured"]) == ("stage1", False)  # the donor was seed 0
+    r = _reuse(tmp_path, "--seed", "2", "--no-verify")
+    assert r.exit_code == 0 and "seed 2 (the donor's: another sample)" in " ".join(r.output.split())
