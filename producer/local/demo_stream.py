@@ -187,7 +187,7 @@ def live_line(item: DemoItem, result: GenerationResult, latency: float) -> str:
     if result.saved_compute and result.donor is not None:
         what = (
             f"[green]{result.reuse}[/] from {escape(result.donor.request_id)} (sim {result.donor.similarity:.2f}, "
-            f"{result.tokens_computed_fraction:.0%} of the token-steps)"
+            f"computed {result.tokens_computed_fraction:.0%} of the token-steps)"
         )
     elif result.donor is not None and not result.fallback:
         what = f"[yellow]full[/] (donor {escape(result.donor.request_id)} planned; nothing saved)"
