@@ -125,7 +125,7 @@ class SchedulerSettings(KafkaSettings):
     @model_validator(mode="after")
     def _lease_outlasts_poll(self) -> Self:
         if self.claim_lease_s * 1000 <= self.poll_timeout_ms:
-            raise ValueError("claim_lease_s must be longer than one poll (poll_timeout_ms)")
+            raise ValueError("CHORUS_CLAIM_LEASE_S must be longer than one poll (CHORUS_POLL_TIMEOUT_MS)")
         return self
 
     @property

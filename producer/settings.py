@@ -170,7 +170,7 @@ class BrokerSettings(ChorusSettings):
     @model_validator(mode="after")
     def _hard_limit_after_soft(self) -> Self:
         if self.task_time_limit_s <= self.task_soft_time_limit_s:
-            raise ValueError("task_time_limit_s must exceed task_soft_time_limit_s")
+            raise ValueError("CHORUS_TASK_TIME_LIMIT_S must exceed CHORUS_TASK_SOFT_TIME_LIMIT_S")
         return self
 
 

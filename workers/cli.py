@@ -28,7 +28,7 @@ def worker(
         help="Model to serve (repeatable). Default: CHORUS_WORKER_MODELS, else every model that can load here.",
     ),
     concurrency: int | None = typer.Option(
-        None, "--concurrency", "-c", help="Worker processes (default CHORUS_WORKER_CONCURRENCY)."
+        None, "--concurrency", "-c", min=1, help="Worker processes (default CHORUS_WORKER_CONCURRENCY)."
     ),
     autoscale: bool = typer.Option(
         False,

@@ -139,8 +139,8 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
             and self.s3_secure != (scheme == "https")
         ):
             raise ValueError(
-                f"s3_secure={self.s3_secure} contradicts the {scheme}:// of s3_endpoint (the scheme decides TLS; "
-                "leave s3_secure unset)"
+                f"CHORUS_S3_SECURE={self.s3_secure} contradicts the {scheme}:// of CHORUS_S3_ENDPOINT (the scheme "
+                "decides TLS; leave CHORUS_S3_SECURE unset)"
             )
         return self
 
@@ -163,7 +163,7 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     @model_validator(mode="after")
     def _consistent_limits(self) -> Self:
         if self.worker_autoscale_min > self.worker_autoscale_max:
-            raise ValueError("worker_autoscale_min must not exceed worker_autoscale_max")
+            raise ValueError("CHORUS_WORKER_AUTOSCALE_MIN must not exceed CHORUS_WORKER_AUTOSCALE_MAX")
         return self
 
     @property

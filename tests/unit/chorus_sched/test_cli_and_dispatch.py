@@ -75,7 +75,7 @@ def test_settings_defaults_point_at_the_embedded_setup(tmp_path: Path) -> None:
     assert settings.ledger_path == tmp_path / "ledger.sqlite3"
     assert settings.broker_url == "" and settings.redis_url == ""
     assert str(os.getpid()) in settings.resolved_instance_id
-    with pytest.raises(ValueError, match="claim_lease_s"):
+    with pytest.raises(ValueError, match="CHORUS_CLAIM_LEASE_S"):
         SchedulerSettings(claim_lease_s=0.1, poll_timeout_ms=500)
 
 
