@@ -30,7 +30,7 @@ def bench_engine(
         help="Configs to run: tiny, toy2, mid (repeatable, or comma-separated).",
     ),
     num_steps: int | None = typer.Option(
-        None, "--num-steps", min=3, help="Denoising steps per measured request [default: 4]."
+        None, "--num-steps", min=3, help="Denoising steps per measured request (default: 4)."
     ),
     steps: int | None = typer.Option(None, "--steps", min=3, hidden=True),
     repeats: int = typer.Option(

@@ -17,7 +17,7 @@ def train_toy(
     steps: int = typer.Option(6000, help="Optimizer steps (the committed weights: 6000, 49 min on 2 cores)."),
     batch_size: int = typer.Option(16, help="Clips per step."),
     lr: float = typer.Option(2e-3, help="Peak AdamW learning rate (linear warmup, cosine decay)."),
-    out: Path | None = typer.Option(None, help="Run directory [default: runs/toy-<timestamp>]."),
+    out: Path | None = typer.Option(None, help="Run directory (default: runs/toy-<timestamp>)."),
     seed: int = typer.Option(0, help="Seed of initialization, data and noise."),
     eval_interval: int = typer.Option(
         1000, help="Evaluate (and checkpoint) every N steps; 0 = only at the end."
