@@ -150,7 +150,11 @@ def celery_config(settings: BrokerSettings) -> dict[str, Any]:
 def _check_transport(broker_url: str) -> None:
     """Refuse a broker URL no installed kombu transport speaks now, not at the first order (where it failed
     every order). Names the scheme only: the URL may hold a password."""
+    if "://" not in broker_url:
+        return  # a bare host: kombu takes it as amqp
     scheme = broker_url.split("://", 1)[0].split("+", 1)[0]  # "sqla+postgresql://": the transport is "sqla"
+    if "+" not in broker_url.split("://", 1)[0]:
+        scheme = scheme.lower()  # as kombu reads a plain scheme
     try:
         resolve_transport(scheme)
     except (KeyError, ImportError) as exc:

@@ -12,6 +12,7 @@ failed or did not arrive in time, or the broker refused a request; 2 invalid inp
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -200,13 +201,14 @@ def _publish_and_follow(
 
 
 def _read_lines(file: Path, err: Console) -> list[bytes]:
-    """The file's lines as bytes, split at newlines only: JSON strings may hold U+2028 and U+0085, which
+    """The file's lines as bytes, split at line ends only: JSON strings may hold U+2028 and U+0085, which
     ``str.splitlines`` also splits at, and a line that is not UTF-8 is that line's error, not the file's."""
     try:
         data = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
     except OSError as exc:
         _fail(err, f"cannot read {file}: {exc}")
-    return [line.removesuffix(b"\r") for line in data.split(b"\n")]
+    # A bare CR can be a line end too: JSON allows no raw control character inside a string, so none is split.
+    return re.split(rb"\r\n|\r|\n", data.removeprefix(b"\xef\xbb\xbf"))  # and a BOM is no content
 
 
 def _send(client: Any, requests: list[GenerationRequest], err: Console, *, quiet: bool) -> list[str]:

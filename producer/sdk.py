@@ -101,7 +101,8 @@ def parse_jsonl(lines: Iterable[str | bytes], *, defaults: dict[str, Any] | None
     batch = Batch()
     seen: dict[str, int] = {}
     for number, line in enumerate(lines, start=1):
-        if not line.strip():
+        text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
+        if not text.strip():  # Unicode whitespace too, as for a text line
             continue
         try:
             request = _parse_line(line, defaults)

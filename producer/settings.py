@@ -75,12 +75,12 @@ _UNREADABLE_FIELD = re.compile(r'field "(?P<field>\w+)"')
 def settings_error_line(exc: ValidationError | SettingsError) -> str:
     """One line naming each bad variable, the value it had (never a credential's) and what it must be, e.g.
     ``invalid setting CHORUS_LOG_LEVEL='verbose': must be 'DEBUG', 'INFO', 'WARNING' or 'ERROR'``."""
-    if isinstance(exc, SettingsError):  # pydantic-settings reads a structured field's variable as JSON first
+    if isinstance(exc, SettingsError):
         found = _UNREADABLE_FIELD.search(str(exc))
         name = f"CHORUS_{found['field'].upper()}" if found else "a CHORUS_ variable"
-        return (
-            f"invalid setting {name}: not JSON; this setting is read as JSON (a number, a list or an object)"
-        )
+        if str(exc).startswith("error parsing value"):  # a structured field's variable is read as JSON first
+            return f"invalid setting {name}: not JSON; it is read as JSON (a number, a list or an object)"
+        return f"invalid setting {name}: " + " ".join(str(exc).split())
     parts: list[str] = []
     for error in exc.errors(include_url=False):
         field = ".".join(str(p) for p in error["loc"])

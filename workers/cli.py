@@ -35,8 +35,12 @@ def worker(
         "--autoscale",
         help="Grow and shrink the pool between the autoscale bounds (CHORUS_WORKER_AUTOSCALE_MIN/MAX).",
     ),
-    min_processes: int | None = typer.Option(None, help="Lower autoscale bound (default from settings)."),
-    max_processes: int | None = typer.Option(None, help="Upper autoscale bound (default from settings)."),
+    min_processes: int | None = typer.Option(
+        None, min=1, help="Lower autoscale bound (default from settings)."
+    ),
+    max_processes: int | None = typer.Option(
+        None, min=1, help="Upper autoscale bound (default from settings)."
+    ),
     pool: Literal["prefork", "solo", "threads"] = typer.Option(
         "prefork", help="Celery pool: prefork, solo (one process, debugging) or threads."
     ),
@@ -130,7 +134,8 @@ def _servable(settings: WorkerSettings, err: Console) -> WorkerSettings:
     refused: dict[str, str] = {}
     for m in settings.served_models:
         try:
-            check_available(m, device=settings.device, wan21_dir=settings.wan21_dir)
+            # count_gpus=False: this process forks the pool, whose processes start CUDA themselves
+            check_available(m, device=settings.device, wan21_dir=settings.wan21_dir, count_gpus=False)
         except ModelUnavailable as exc:
             refused[m] = str(exc)
         else:

@@ -165,7 +165,7 @@ def generate(
 def _video_format(fmt: str | None, output: Path | None, default: str) -> str:
     """The format to write: ``--format``, else the output's suffix, else the setting; they must agree."""
     suffix = output.suffix.lstrip(".").lower() if output is not None and output.suffix else None
-    if fmt is not None and suffix is not None and suffix != fmt:
+    if fmt is not None and suffix in ("mp4", "gif") and suffix != fmt:  # a .part or .tmp name is the caller's
         _fail(f"--format {fmt} disagrees with the output's suffix .{suffix}: name the file .{fmt}")
     if fmt is None and suffix is not None and suffix not in ("mp4", "gif"):
         _fail(f"the output's suffix .{suffix} is not a format Chorus writes: name it .mp4 or .gif")
@@ -173,13 +173,16 @@ def _video_format(fmt: str | None, output: Path | None, default: str) -> str:
 
 
 def _writable(path: Path, option: str) -> None:
-    folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         _fail(f"{option} {path} is a directory: name a file")
-    if not folder.is_dir():
-        _fail(f"{option} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        _fail(f"{option} {path}: the folder {folder} is not writable")
+    if path.exists():  # written in place (/dev/null, say): the file's own permission counts, not its folder's
+        if not os.access(path, os.W_OK):
+            _fail(f"{option} {path} is not writable")
+        return
+    if not path.parent.is_dir():
+        _fail(f"{option} {path}: the folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        _fail(f"{option} {path}: the folder {path.parent} is not writable")
 
 
 def _run_and_write(

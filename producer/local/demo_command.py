@@ -243,8 +243,7 @@ def _run_demo(console: Console, run: DemoRun) -> DemoSummary:
         t_results = time.monotonic()
         run_ids = {i.request_id for i in items}
         rows = [summarize(i, results.get(i.request_id), latencies.get(i.request_id), run_ids) for i in items]
-        out = run.out
-        out.mkdir(parents=True, exist_ok=True)
+        out = run.out  # made (and checked) by _ready_output before the stream
         with console.status("downloading videos, drawing the contact sheet…"):
             write_videos(stack, rows, results, out)
             sheet = write_contact_sheet(rows, out, out / "contact_sheet.png")
@@ -290,6 +289,8 @@ def _ready_output(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DemoFailed(f"cannot create --out {out}: {exc.strerror or exc}") from None
+    if not os.access(out, os.W_OK):
+        raise DemoFailed(f"--out {out} is not writable")
 
 
 def _start_stack(console: Console, run: DemoRun, run_id: str, n_requests: int) -> EmbeddedStack:

@@ -19,15 +19,45 @@ from producer.local.config import StackError
 LOCK_NAME = "stack.lock"
 
 
+class StateFolderBusy(StackError):
+    """Another stack holds the state folder."""
+
+
 class StateFolderLock:
+    """The exclusive hold of one state folder by one running stack."""
+
     def __init__(self, state_dir: Path) -> None:
         self.path = Path(state_dir) / LOCK_NAME
         self._file: IO[str] | None = None
 
     def acquire(self) -> None:
-        """Hold the folder, or raise ``StackError`` naming the stack that holds it."""
+        """Hold the folder and write this process' pid there; ``StateFolderBusy`` naming the holder if another
+        stack holds it, ``StackError`` if the folder cannot be made or opened."""
         if self._file is not None:
             return
+        handle = self._locked()
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing drops the flock
+            self._file = None
+
+    def held_elsewhere(self) -> bool:
+        """Whether another process holds the folder now (checked without keeping it, and leaving its pid)."""
+        if self._file is not None or not self.path.exists():
+            return False
+        try:
+            self._locked().close()
+        except StateFolderBusy:
+            return True
+        return False
+
+    def _locked(self) -> IO[str]:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             handle = self.path.open("a+")
@@ -41,28 +71,8 @@ class StateFolderLock:
             handle.seek(0)
             holder = handle.read().strip() or "unknown"
             handle.close()
-            raise StackError(
+            raise StateFolderBusy(
                 f"the state folder {self.path.parent} is in use by another Chorus stack (pid {holder}); "
                 "stop that one, or give this one its own folder (--state-dir)"
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        self._file = handle
-
-    def release(self) -> None:
-        if self._file is not None:
-            self._file.close()  # closing drops the flock
-            self._file = None
-
-    def held_elsewhere(self) -> bool:
-        """Whether another process holds the folder now (checked without keeping it)."""
-        if self._file is not None or not self.path.exists():
-            return False
-        try:
-            self.acquire()
-        except StackError:
-            return True
-        self.release()
-        return False
+        return handle

@@ -423,27 +423,41 @@ def _loader(name: str) -> Loader:
     return loader
 
 
-def check_available(name: str, *, device: DeviceLike, wan21_dir: Path | None = None) -> None:
+def check_available(
+    name: str, *, device: DeviceLike, wan21_dir: Path | None = None, count_gpus: bool = True
+) -> None:
     """Raise ``ModelUnavailable`` for what ``load_bundle`` would refuse before reading any weights: an unknown
     name, a device this process cannot use, a Wan2.1 directory that is not there. A worker checks its models with
     this before it announces them, so orders for a model it cannot load are not sent to it."""
     _loader(name)
-    usable_device(device)
+    usable_device(device, count_gpus=count_gpus)
     if name == "wan2.1-t2v-1.3b":
         _wan21_directory(wan21_dir)
 
 
-def usable_device(device: DeviceLike) -> torch.device:
+def usable_device(device: DeviceLike, *, count_gpus: bool = True) -> torch.device:
     """``device`` as a torch device this process can run on. Raises ``ModelUnavailable`` saying why not, before
-    any weights load (torch would fail later, deep in a loader, with an assertion about its build)."""
+    any weights load (torch would fail later, deep in a loader, with an assertion about its build).
+
+    ``count_gpus=False`` checks only that torch was built for the device: a process that forks its CUDA workers
+    afterwards (the worker's prefork pool) must not start CUDA, and counting GPUs may start it (torch asks NVML
+    first, and falls back to the CUDA runtime when NVML fails)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ModelUnavailable(
             f"device {str(device)!r} is not a torch device; use e.g. cpu, cuda or cuda:1 (CHORUS_DEVICE)"
         ) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelUnavailable(
-            f"device {str(device)!r}: this torch has no CUDA device to use here; use cpu (CHORUS_DEVICE=cpu)"
-        )
+    if dev.type == "cuda":
+        if not torch.backends.cuda.is_built():
+            raise ModelUnavailable(
+                f"device {str(device)!r}: this torch is built without CUDA; use cpu (CHORUS_DEVICE)"
+            )
+        count = torch.cuda.device_count() if count_gpus else None
+        if count is not None and (count == 0 or (dev.index or 0) >= count):
+            raise ModelUnavailable(
+                f"device {str(device)!r}: {count} CUDA device(s) visible here; use another (CHORUS_DEVICE)"
+            )
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelUnavailable(f"device {str(device)!r}: no Apple GPU here; use cpu (CHORUS_DEVICE)")
     return dev

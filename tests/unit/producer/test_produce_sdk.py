@@ -162,6 +162,19 @@ def test_a_batch_file_splits_at_newlines_only_and_a_line_not_utf8_is_that_lines_
         assert "line 2: <message>: not UTF-8 at byte 15 [utf8]" in result.output
 
 
+def test_a_batch_file_with_other_line_ends_a_bom_or_blank_unicode_lines_reads_as_written(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "batch.jsonl"
+    # a BOM (PowerShell writes one), CRLF and bare CR line ends, and a line of a no-break space only
+    body = '{"prompt": "one"}\r\n{"prompt": "two"}\r{"prompt": "three"}\n\u00a0\n'
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    result = CliRunner().invoke(app, ["produce", "--file", str(path), "--bootstrap", "127.0.0.1:1"])
+    # every line valid: it got as far as sending (to a broker that is not there on purpose)
+    assert result.exit_code == 1 and "cannot reach the Kafka broker" in result.output, result.output
+    assert "invalid line" not in result.output
+
+
 def test_produce_rejects_conflicting_or_invalid_options(tmp_path: Path) -> None:
     runner = CliRunner()
     both = runner.invoke(app, ["produce", "--prompt", "x", "--file", str(tmp_path / "f")])

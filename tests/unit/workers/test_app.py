@@ -109,8 +109,14 @@ def test_worker_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     ("env", "field"),
     [
         ({"CHORUS_WORKER_MODELS": "toy,sora"}, "worker_models"),
-        ({"CHORUS_TASK_SOFT_TIME_LIMIT_S": "100", "CHORUS_TASK_TIME_LIMIT_S": "50"}, "task_time_limit_s"),
-        ({"CHORUS_WORKER_AUTOSCALE_MIN": "5", "CHORUS_WORKER_AUTOSCALE_MAX": "2"}, "worker_autoscale_min"),
+        (
+            {"CHORUS_TASK_SOFT_TIME_LIMIT_S": "100", "CHORUS_TASK_TIME_LIMIT_S": "50"},
+            "CHORUS_TASK_TIME_LIMIT_S",
+        ),
+        (
+            {"CHORUS_WORKER_AUTOSCALE_MIN": "5", "CHORUS_WORKER_AUTOSCALE_MAX": "2"},
+            "CHORUS_WORKER_AUTOSCALE_MIN",
+        ),
         ({"CHORUS_FOLLOWER_POLL_S": "0"}, "follower_poll_s"),
     ],
 )
@@ -192,8 +198,47 @@ def test_a_worker_on_a_device_it_cannot_use_does_not_start() -> None:
 
     from producer.cli import app
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+    if torch.backends.cuda.is_built():
+        pytest.skip("this torch is built with CUDA")
     result = CliRunner().invoke(app, ["worker", "--model", "toy"], env={"CHORUS_DEVICE": "cuda"})
     assert result.exit_code == 2
-    assert "cannot serve toy: device 'cuda': this torch has no CUDA device" in result.output
+    assert "cannot serve toy: device 'cuda': this torch is built without CUDA" in result.output
+
+
+def test_the_device_check_counts_gpus_only_where_starting_cuda_is_safe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from workers.engine.errors import ModelUnavailable
+    from workers.engine.registry import check_available, usable_device
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert usable_device("cuda").type == "cuda" and usable_device("cuda:0").index == 0
+    with pytest.raises(ModelUnavailable, match="1 CUDA device"):
+        usable_device("cuda:3")
+
+    # The worker's main process forks its pool afterwards: counting may start CUDA there, so it is not done.
+    def starts_cuda() -> int:
+        raise AssertionError("counted GPUs in a process that forks CUDA workers")
+
+    monkeypatch.setattr(torch.cuda, "device_count", starts_cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", starts_cuda)
+    check_available("toy", device="cuda:3", count_gpus=False)
+
+
+def test_a_broker_url_no_transport_speaks_is_refused_when_the_config_is_built(tmp_path: Path) -> None:
+    from producer.broker import celery_config
+    from producer.settings import BrokerSettings, UnusableSetting
+
+    for url in (
+        "amqp://guest@h//",
+        "REDIS://h:6379/0",
+        "redis+socket:///tmp/r.sock",
+        "localhost",
+        "memory://",
+    ):
+        celery_config(BrokerSettings(state_dir=tmp_path, broker_url=url))  # as kombu reads them
+    with pytest.raises(UnusableSetting, match="no Celery transport for 'garbage://'"):
+        celery_config(BrokerSettings(state_dir=tmp_path, broker_url="garbage://u:s3cret@h"))

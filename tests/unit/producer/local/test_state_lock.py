@@ -38,6 +38,9 @@ def test_a_second_stack_on_a_held_folder_is_refused_naming_the_holder(tmp_path: 
         with pytest.raises(StackError, match=rf"in use by another Chorus stack \(pid {holder.pid}\)"):
             StateFolderLock(tmp_path).acquire()
         assert StateFolderLock(tmp_path).held_elsewhere()
+        assert (tmp_path / LOCK_NAME).read_text().strip() == str(
+            holder.pid
+        )  # looking leaves the holder named
     finally:
         holder.kill()
         holder.wait()
