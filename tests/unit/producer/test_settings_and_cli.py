@@ -59,31 +59,6 @@ def test_a_structured_setting_that_is_not_json_is_one_line_naming_it() -> None:
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize(
-    ("env", "says"),
-    [
-        (
-            {"CHORUS_TASK_SOFT_TIME_LIMIT_S": "100", "CHORUS_TASK_TIME_LIMIT_S": "50"},
-            "CHORUS_TASK_TIME_LIMIT_S must exceed CHORUS_TASK_SOFT_TIME_LIMIT_S",
-        ),
-        (
-            {"CHORUS_WORKER_AUTOSCALE_MIN": "5", "CHORUS_WORKER_AUTOSCALE_MAX": "2"},
-            "CHORUS_WORKER_AUTOSCALE_MIN must not exceed CHORUS_WORKER_AUTOSCALE_MAX",
-        ),
-    ],
-)
-def test_a_check_across_settings_names_the_variables_an_operator_sets(
-    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], says: str
-) -> None:
-    from producer.settings import settings_error_line
-
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(ValidationError) as excinfo:
-        WorkerSettings()
-    assert says in settings_error_line(excinfo.value)  # was the Python field names
-
-
 def test_a_bad_worker_flag_is_named_as_the_flag() -> None:
     result = CliRunner().invoke(app, ["worker", "--concurrency", "0"])
     assert result.exit_code == 2 and "--concurrency" in result.output
