@@ -164,10 +164,12 @@ def generate(
 
 def _video_format(fmt: str | None, output: Path | None, default: str) -> str:
     """The format to write: ``--format``, else the output's suffix, else the setting; they must agree."""
+    from workers.video import FORMATS
+
     suffix = output.suffix.lstrip(".").lower() if output is not None and output.suffix else None
-    if fmt is not None and suffix in ("mp4", "gif") and suffix != fmt:  # a .part or .tmp name is the caller's
+    if fmt is not None and suffix in FORMATS and suffix != fmt:  # a .part or .tmp name is the caller's
         _fail(f"--format {fmt} disagrees with the output's suffix .{suffix}: name the file .{fmt}")
-    if fmt is None and suffix is not None and suffix not in ("mp4", "gif"):
+    if fmt is None and suffix is not None and suffix not in FORMATS:
         _fail(f"the output's suffix .{suffix} is not a format Chorus writes: name it .mp4 or .gif")
     return fmt or suffix or default  # CHORUS_VIDEO_FORMAT is checked by the settings
 
