@@ -51,12 +51,15 @@ class ExactHits:
         ledger: Ledger,
         publish: Publisher,
         send_order: Callable[[WorkOrder], None],
+        keep: Callable[[GenerationResult], None] | None = None,
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.publish = publish
         self.send_order = send_order
+        # Told of each answer (``Resends.settled``), so the id sent again is answered from it too.
+        self.keep = keep
         self.clock = clock
 
     def _scope(self, request: GenerationRequest) -> str:
@@ -162,8 +165,11 @@ class ExactHits:
             seed_honoured=source.seed_honoured,
             prompt_tokens_used=source.prompt_tokens_used,
             prompt_truncated=source.prompt_truncated,
+            request_fingerprint=request.fingerprint,
         )
         self.publish(self.settings.kafka_results_topic, request.request_id, answer.to_bytes())
+        if self.keep is not None:
+            self.keep(answer)
         self.ledger.set_state(request.job_id, RequestState.DONE)
         METRICS.exact_hits.labels(kind=kind).inc()
         log.info(

@@ -21,6 +21,7 @@ from chorus_sched.exact import ExactHits
 from chorus_sched.index import DonorEntry, DonorIndex, DonorStatus
 from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
+from chorus_sched.resend import Resends
 from chorus_sched.reuse_gate import VerifiedReuseGate
 from producer.contract import GenerationResult, ResultStatus, ReusePolicy
 from producer.orders import Role, WorkOrder, trajectory_prefix
@@ -41,6 +42,7 @@ class Feedback:
         evict: Callable[[dict[str, str]], None],
         discard: Callable[[dict[str, str]], None],
         exact: ExactHits,
+        resends: Resends,
         stats: SchedulerStats,
         gate: VerifiedReuseGate | None = None,
         regime_of: Callable[[int], str] | None = None,
@@ -52,6 +54,7 @@ class Feedback:
         self.evict = evict
         self.discard = discard
         self.exact = exact
+        self.resends = resends
         self.stats = stats
         if gate is not None and regime_of is None:
             raise ValueError("a reuse gate needs regime_of: its bands are per regime")
@@ -91,6 +94,8 @@ class Feedback:
         return finish(progress, self.stats)
 
     def _on_result(self, result: GenerationResult) -> None:
+        if result.replayed:
+            return  # a copy of a result already taken in, for an id sent again (chorus_sched.resend)
         rid = result.job_id  # the ledger and the index know a request by its job id (ids are per tenant)
         record = self.ledger.record(rid)
         if record is None:
@@ -104,6 +109,7 @@ class Feedback:
         state = self.ledger.state(rid)
         leader = record.role is Role.LEADER
         self.exact.on_result(record, result)
+        self.resends.settled(result)  # before the state says done: a resend that sees it finds the result
         if result.status is ResultStatus.DONE:
             if state != RequestState.EVICTED:
                 self.ledger.set_state(rid, RequestState.DONE)

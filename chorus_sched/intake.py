@@ -4,8 +4,9 @@ Per poll of the requests topic (``Intake.handle_requests``):
 
 1. parse each message (``parse_keyed_request``: the sender must be able to find its result); an invalid one is dead-lettered (``chorus_sched.dead_letters``) —
    consumption goes on;
-2. claim each request's job id (tenant + request id) in the ledger; one already dispatched is a duplicate and is skipped, one another
-   instance is scheduling right now is retried later;
+2. claim each request's job id (tenant + request id) in the ledger; the claimed message read again is skipped, a new
+   message with the id of a request taken before is answered by ``chorus_sched.resend``, one another instance is
+   scheduling right now is retried later;
 3. embed the prompts of the poll as one batch;
 4. per compatibility key (under a ledger mutex, with the index held): search finished donors and running
    leaders, plan each candidate (similarity + word difference), choose; a miss becomes a group leader,
@@ -36,6 +37,7 @@ from chorus_sched.index import DonorEntry, DonorIndex, DonorStatus
 from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
 from chorus_sched.planner import Planner
+from chorus_sched.resend import Resends
 from chorus_sched.settings import SchedulerSettings
 from producer.contract import ContractError, GenerationRequest, ReusePolicy, parse_keyed_request
 from producer.orders import DonorRef, Role, WorkOrder, trajectory_prefix
@@ -61,6 +63,7 @@ class Intake:
         planner: Planner,
         dead_letters: DeadLetters,
         exact: ExactHits,
+        resends: Resends,
         stats: SchedulerStats,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -72,6 +75,7 @@ class Intake:
         self.planner = planner
         self.dead_letters = dead_letters
         self.exact = exact
+        self.resends = resends
         self.stats = stats
         self.clock = clock
         self.instance = settings.resolved_instance_id
@@ -111,18 +115,20 @@ class Intake:
             request = self._parse(m, progress)
             if request is None:
                 continue
+            origin = f"{m.topic}:{m.partition}:{m.offset}"
             try:
                 claim = self.ledger.begin(
-                    request.job_id,
-                    owner=self.instance,
-                    lease_s=self.settings.claim_lease_s,
-                    origin=f"{m.topic}:{m.partition}:{m.offset}",
+                    request.job_id, owner=self.instance, lease_s=self.settings.claim_lease_s, origin=origin
                 )
             except Exception as exc:
                 self._failed(m, progress, exc, request)
                 continue
-            # A second copy within this poll finds our own fresh lease ("resumed"): it is a duplicate too.
-            if claim.outcome == "duplicate" or request.job_id in in_batch:
+            # A second copy within this poll finds our own fresh lease ("resumed"): it is a new message too.
+            if request.job_id in in_batch or claim.resent_by(origin):
+                self.stats.duplicates += 1
+                METRICS.duplicates.inc()
+                self._answer_resend(m, request, claim.state, progress)
+            elif claim.outcome == "duplicate":
                 self.stats.duplicates += 1
                 METRICS.duplicates.inc()
                 log.info(
@@ -163,6 +169,15 @@ class Intake:
                     continue
                 accepted.append((m, request))
         return accepted
+
+    def _answer_resend(
+        self, m: Message, request: GenerationRequest, state: RequestState | None, progress: Progress
+    ) -> None:
+        try:
+            self.resends.answer(request, state)
+        except Exception as exc:
+            # Not the request's claim to release: it belongs to the first message with this id.
+            self._failed(m, progress, exc, None)
 
     def _answered_exactly(self, m: Message, request: GenerationRequest, progress: Progress) -> bool:
         """True if an identical request's result answers this one (now, or when that one finishes)."""

@@ -63,11 +63,18 @@ class Claim:
     """``new``: first time seen; ``retry``: it ended without a video and this is another message asking again;
     ``resumed``: our own earlier lease, or an expired lease of another instance; ``duplicate``: already
     dispatched (or finished), or the very message that was claimed before; ``busy``: another instance holds a
-    live lease."""
+    live lease. ``origin``: for a duplicate, the message the request was claimed from ("" if not recorded), so the
+    caller can tell the same message read again from a new one sent with the same id."""
 
     outcome: ClaimOutcome
     state: RequestState | None = None
     owner: str | None = None
+    origin: str = ""
+
+    def resent_by(self, origin: str) -> bool:
+        """True if this duplicate is a *new* message with the id (the sender asking again), not the claimed
+        message read again. Unknown origins count as the same message (the older, silent answer)."""
+        return self.outcome == "duplicate" and bool(origin) and bool(self.origin) and origin != self.origin
 
     @property
     def ours(self) -> bool:

@@ -38,7 +38,7 @@ if state == '@ACCEPTED@' then
   end
   return {'busy', state, holder}
 end
-return {'duplicate', state, holder}
+return {'duplicate', state, holder, redis.call('HGET', key, 'origin') or ''}
 """.replace("@RETRYABLE@", " or ".join(f"state == '{state}'" for state in RETRYABLE_STATES)).replace(
     "@ACCEPTED@", RequestState.ACCEPTED
 )
@@ -76,11 +76,16 @@ class RedisLedger(Ledger):
         origin: str = "",
     ) -> Claim:
         now = time.time()
-        outcome, current, holder = self._begin(
+        outcome, current, holder, *claimed_from = self._begin(
             keys=[self._req(request_id)],
             args=[owner, repr(now + lease_s), repr(now), self.ttl_s, state, origin],
         )
-        return Claim(outcome=outcome, state=RequestState(current), owner=holder or None)
+        return Claim(
+            outcome=outcome,
+            state=RequestState(current),
+            owner=holder or None,
+            origin=claimed_from[0] if claimed_from else "",
+        )
 
     def state(self, request_id: str) -> RequestState | None:
         value = self.client.hget(self._req(request_id), "state")

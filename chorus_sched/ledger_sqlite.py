@@ -113,7 +113,7 @@ class SqliteLedger(Ledger):
                     )
                     return Claim("resumed", current, holder)
                 return Claim("busy", current, holder)
-            return Claim("duplicate", current, holder)
+            return Claim("duplicate", current, holder, row[3] or "")
 
     def _row(self, request_id: str) -> tuple[Any, ...] | None:
         with self._lock:

@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -86,6 +87,14 @@ LAG_INTERVAL_S: Final = 2.0
 QUEUE_SAMPLE_INTERVAL_S: Final = 5.0
 
 
+class ResendOutcome(StrEnum):
+    """What ``chorus_sched.resend`` did with a new message carrying a taken request id (a metric label)."""
+
+    REPLAYED = "replayed"  # the kept result published again
+    WAITING = "waiting"  # in flight: answered by its result when it comes
+    REJECTED = "rejected"  # another request under the same id, or a finished one whose result is gone
+
+
 class SchedulerMetrics:
     """The scheduler's metrics, registered on ``registry`` (the process-wide default for the service)."""
 
@@ -123,6 +132,13 @@ class SchedulerMetrics:
         self.duplicates = Counter(
             "chorus_requests_duplicate",
             "Copies of a request that was already scheduled (skipped).",
+            registry=registry,
+        )
+        self.resent = Counter(
+            "chorus_requests_resent",
+            "New messages with the id of a request taken before, by outcome: replayed (its kept result sent "
+            "again), waiting (answered by its result when it comes) or rejected (another request under the id).",
+            ["outcome"],
             registry=registry,
         )
         self.exact_hits = Counter(
@@ -249,6 +265,7 @@ class SchedulerMetrics:
         zero_series(self.dead_lettered, reason=REJECT_REASONS)
         zero_series(self.retries, cause=RETRY_CAUSES)
         zero_series(self.donor_lookups, outcome=LOOKUP_OUTCOMES)
+        zero_series(self.resent, outcome=tuple(ResendOutcome))
         zero_series(self.donor_similarity, role=(Role.SOLO, Role.FOLLOWER))
         zero_series(self.phase_seconds, phase=SCHEDULER_PHASES)
         zero_series(self.results, status=RESULT_STATUSES)

@@ -37,6 +37,7 @@ from chorus_sched.ledger import Ledger
 from chorus_sched.loop import ConsumerLoop
 from chorus_sched.maintenance import CacheMaintenance
 from chorus_sched.planner import Planner
+from chorus_sched.resend import Resends
 from chorus_sched.reuse_gate import GateConfig, VerifiedReuseGate
 from chorus_sched.settings import SchedulerSettings
 from chorus_sched.watchdog import OrderWatchdog
@@ -90,8 +91,14 @@ class Scheduler:
         self.cache = CacheMaintenance(
             settings, index=index, ledger=ledger, dispatcher=dispatcher, stats=self.stats, clock=clock
         )
+        self.resends = Resends(settings, ledger=ledger, publish=publish)
         self.exact = ExactHits(
-            settings, ledger=ledger, publish=publish, send_order=dispatcher.generate, clock=clock
+            settings,
+            ledger=ledger,
+            publish=publish,
+            send_order=dispatcher.generate,
+            keep=self.resends.settled,
+            clock=clock,
         )
         self.intake = Intake(
             settings,
@@ -102,6 +109,7 @@ class Scheduler:
             planner=self.planner,
             dead_letters=DeadLetters(settings, ledger=ledger, publish=publish, stats=self.stats),
             exact=self.exact,
+            resends=self.resends,
             stats=self.stats,
             clock=clock,
         )
@@ -112,6 +120,7 @@ class Scheduler:
             evict=self.cache.evict,
             discard=self.cache.discard,
             exact=self.exact,
+            resends=self.resends,
             stats=self.stats,
             gate=self.gate,
             regime_of=lambda n: planner.table.regime_for(n).name,

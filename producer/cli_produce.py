@@ -272,9 +272,10 @@ def _table(requests: list[GenerationRequest], results: dict[str, GenerationResul
         note = f"{r.error.code}: {r.error.message}" if r.error else (r.fallback or "")
         t = r.timings
         total = t.queue_s + t.fetch_s + t.denoise_s + t.decode_s + t.upload_s
-        # What the video is, and whether it is the requested seed's own sample (a Stage-1 donor of another
-        # seed gives a valid video for the prompt, but not that one).
+        # What the video is, whether it is the requested seed's own sample (a Stage-1 donor of another seed
+        # gives a valid video for the prompt, but not that one), and whether the id was answered before.
         reuse = str(r.reuse) + ("" if r.seed_honoured else ", donor's seed")
+        reuse += ", answered before" if r.replayed else ""
         table.add_row(
             escape(r.request_id),
             status,

@@ -383,6 +383,15 @@ class GenerationResult(_Wire):
         description="True when the prompt was longer than the model's text token budget and its end was cut",
     )
     verification: VerificationReport | None = Field(default=None, description="the donor check, if one ran")
+    request_fingerprint: str | None = Field(
+        default=None,
+        description="the fingerprint of the request this result answers (None: not known, e.g. a message that was "
+        "not a request): a client that sent a request id again with other content tells the two answers apart",
+    )
+    replayed: bool = Field(
+        default=False,
+        description="a copy of the earlier result, sent because the request id was sent again after it finished",
+    )
 
     @property
     def saved_compute(self) -> bool:

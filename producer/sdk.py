@@ -229,6 +229,27 @@ class ChorusClient:
             self._producer = None
 
 
+# What a wait asks for: (tenant or None for any, request id, the request's fingerprint or None for any content).
+_Want = tuple[str | None, str, str | None]
+
+
+def _want(request: str | GenerationRequest) -> _Want:
+    if isinstance(request, GenerationRequest):
+        return (request.tenant, request.request_id, request.fingerprint)
+    return (None, request, None)
+
+
+def _answers(result: GenerationResult, want: _Want) -> bool:
+    """Whether ``result`` answers ``want``: same id, same tenant if given, and — where both name one — the same
+    request content (a request id sent again for another request is answered separately)."""
+    tenant, request_id, fingerprint = want
+    return (
+        result.request_id == request_id
+        and (tenant is None or result.tenant == tenant)
+        and (fingerprint is None or result.request_fingerprint in (None, fingerprint))
+    )
+
+
 class ResultWatcher:
     """Follows the results topic from the moment it was created; ``wait`` yields the results asked for."""
 
@@ -237,8 +258,9 @@ class ResultWatcher:
         self.topic = settings.kafka_results_topic
         self.consumer: KafkaConsumer = bus.tail_consumer(settings, self.topic)
         self.skipped = 0  # messages on the topic that were not valid results
-        # The first result of every (tenant, request id) seen so far, so sequential waits lose nothing.
-        self.received: dict[tuple[str, str], GenerationResult] = {}
+        # Every distinct answer (tenant, fingerprint) per request id seen so far, the first of each, so that
+        # sequential waits lose nothing.
+        self.received: dict[str, list[GenerationResult]] = {}
 
     def wait(
         self,
@@ -249,20 +271,20 @@ class ResultWatcher:
     ) -> Iterator[GenerationResult]:
         """Yield the first result of each request as it arrives, until all arrived or ``timeout_s`` passed.
 
-        Give the requests themselves: a result then matches on tenant and id, so another tenant's request that
-        used the same id is never taken for yours. A bare id matches that id in any tenant. Results that arrived
+        Give the requests themselves: a result then matches on tenant, id and content (its
+        ``request_fingerprint``), so neither another tenant's request that used the same id nor another request
+        sent under your id is taken for yours. A bare id matches that id in any tenant. Results that arrived
         earlier (while waiting for other requests) are yielded first.
         """
-        pending = {
-            (r.tenant, r.request_id) if isinstance(r, GenerationRequest) else (None, r) for r in requests
-        }
-        for want in sorted(pending, key=str):
-            result = self._first_received(want)
-            if result is not None:
-                pending.discard(want)
-                if on_result is not None:
-                    on_result(result)
-                yield result
+        pending: dict[str, list[_Want]] = {}
+        for want in sorted({_want(r) for r in requests}, key=str):
+            result = next((r for r in self.received.get(want[1], []) if _answers(r, want)), None)
+            if result is None:
+                pending.setdefault(want[1], []).append(want)
+                continue
+            if on_result is not None:
+                on_result(result)
+            yield result
         deadline = time.monotonic() + timeout_s
         next_refresh = 0.0
         while pending and time.monotonic() < deadline:
@@ -278,27 +300,31 @@ class ResultWatcher:
             for records in batches.values():
                 for record in records:
                     result = self._parse(record.value)
-                    if result is None or (result.tenant, result.request_id) in self.received:
+                    if result is None or not self._first_of_its_kind(result):
                         continue
-                    self.received[(result.tenant, result.request_id)] = result
-                    wants: list[tuple[str | None, str]] = [
-                        (result.tenant, result.request_id),
-                        (None, result.request_id),
-                    ]
-                    matched = [w for w in wants if w in pending]
+                    wants = pending.get(result.request_id, [])
+                    # The most specific want first: a tenant's own request before a bare id.
+                    matched = sorted(
+                        (w for w in wants if _answers(result, w)), key=lambda w: (w[0] is None, str(w))
+                    )
                     if not matched:
                         continue
-                    want = matched[0]
-                    pending.discard(want)
+                    wants.remove(matched[0])
+                    if not wants:
+                        del pending[result.request_id]
                     if on_result is not None:
                         on_result(result)
                     yield result
 
-    def _first_received(self, want: tuple[str | None, str]) -> GenerationResult | None:
-        tenant, request_id = want
-        if tenant is not None:
-            return self.received.get((tenant, request_id))
-        return next((r for (_, rid), r in self.received.items() if rid == request_id), None)
+    def _first_of_its_kind(self, result: GenerationResult) -> bool:
+        """Record ``result`` unless an answer to the same request was seen before (a replay, a redelivery)."""
+        seen = self.received.setdefault(result.request_id, [])
+        if any(
+            r.tenant == result.tenant and r.request_fingerprint == result.request_fingerprint for r in seen
+        ):
+            return False
+        seen.append(result)
+        return True
 
     def _parse(self, raw: bytes | None) -> GenerationResult | None:
         try:

@@ -132,6 +132,7 @@ def done_result(
         worker=worker,
         reuse=reuse,
         seed_honoured=seed_honoured(reuse, donor_seed=donor_seed, seed=request.seed),
+        request_fingerprint=request.fingerprint,
         prompt_tokens_used=prompt_tokens_used,
         prompt_truncated=prompt_truncated,
         verification=verification,
@@ -159,6 +160,7 @@ def failed_result(
         steps_requested=request.num_steps if request is not None else 0,
         timings=timings or PhaseTimings(),
         worker=worker,
+        request_fingerprint=request.fingerprint if request is not None else None,
     )
 
 

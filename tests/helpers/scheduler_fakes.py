@@ -79,7 +79,7 @@ class FakeLedger:
         holder = self.owners.get(request_id)
         if current == RequestState.ACCEPTED:
             return Claim("resumed" if holder == owner else "busy", current, holder)
-        return Claim("duplicate", current, holder)
+        return Claim("duplicate", current, holder, self.origins.get(request_id, ""))
 
     def state(self, request_id: str) -> RequestState | None:
         return self.states.get(request_id)

@@ -229,18 +229,41 @@ def test_a_request_published_by_kcat_completes_and_boto3_downloads_its_video(
     assert sum(1 for _ in frames) == spec.num_frames
 
 
-def test_the_same_request_id_published_three_times_runs_once_with_one_result(stack: EmbeddedStack) -> None:
+def test_the_same_request_id_published_three_times_runs_once_and_each_sender_is_answered(
+    stack: EmbeddedStack,
+) -> None:
     copy = request("again-1", "a white moon rising over dark hills", "redelivery", seed=1)
     with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
         client.submit(copy)
-        client.submit(copy)  # redelivered at once: same partition, same or next poll
+        client.submit(copy)  # sent again at once: same partition, same or next poll
         result = wait_results(watcher, [copy.request_id])[copy.request_id]
-        client.submit(copy)  # and again after it finished
+    with ChorusClient(stack.producer_settings) as client, client.watch_results() as later:
+        client.submit(copy)  # and again after it finished, by a sender that missed the first answer
+        [replay] = later.wait([copy], timeout_s=WAIT_S)
     assert result.status is ResultStatus.DONE, result.error
+    assert replay.replayed and replay.video_uri == result.video_uri and not result.replayed
     stack.wait_idle(timeout_s=WAIT_S)  # the scheduler has read all three copies
-    skipped = events(stack.schedulers, "duplicate request skipped", request_id=copy.request_id)
-    assert len(skipped) == 2
+    answered = events(stack.schedulers, "request id sent again; answered with its earlier result")
+    assert [e["request_id"] for e in answered] == [copy.request_id] * 2
     check_ran_once(stack, [copy.request_id])
+
+
+def test_a_request_id_sent_again_for_another_request_is_rejected_and_each_waiter_gets_its_own_answer(
+    stack: EmbeddedStack,
+) -> None:
+    mine = request("reused-1", "a red kite over a green field", "reuse-id", seed=1)
+    theirs = request("reused-1", "a grey whale under a dark sea", "reuse-id", seed=1)
+    with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
+        client.submit(mine)
+        client.submit(theirs)
+        got = {r.request_fingerprint: r for r in watcher.wait([mine, theirs], timeout_s=WAIT_S)}
+    assert got[mine.fingerprint].status is ResultStatus.DONE, got[mine.fingerprint].error
+    rejected = got[theirs.fingerprint]
+    assert rejected.status is ResultStatus.REJECTED and rejected.error is not None
+    assert rejected.error.code == "request_id_reused"
+    stack.wait_idle(timeout_s=WAIT_S)
+    dispatched = events(stack.schedulers, "request dispatched", request_id=mine.request_id)
+    assert [e["tenant"] for e in dispatched] == [mine.tenant]  # the first ran once; the second not at all
 
 
 def test_malformed_messages_are_dead_lettered_with_their_reason_and_later_requests_complete(

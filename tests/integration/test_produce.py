@@ -220,3 +220,38 @@ def test_the_watcher_never_hands_a_tenant_another_tenants_result_for_the_same_id
         again = list(watcher.wait(["shared-id"], timeout_s=5))
         assert len(again) == 1 and again[0].request_id == "shared-id"
     producer.close(timeout=10)
+
+
+def test_the_watcher_tells_apart_two_requests_sent_under_one_id_by_their_content(
+    kafka_settings: KafkaSettings,
+) -> None:
+    from producer.contract import ErrorInfo, build_request
+    from producer.sdk import ResultWatcher
+
+    first = build_request(prompt="a blue square", request_id="one-id", tenant="t")
+    second = build_request(prompt="a red circle", request_id="one-id", tenant="t")
+    rejected = GenerationResult(
+        request_id="one-id",
+        tenant="t",
+        status=ResultStatus.REJECTED,
+        error=ErrorInfo(code="request_id_reused", message="send it with a new id"),
+        request_fingerprint=second.fingerprint,
+    )
+    video = GenerationResult(
+        request_id="one-id",
+        tenant="t",
+        status=ResultStatus.DONE,
+        video_uri="s3://x/first.mp4",
+        request_fingerprint=first.fingerprint,
+    )
+    producer = bus.make_producer(kafka_settings)
+    with ResultWatcher(kafka_settings) as watcher:
+        for result in (rejected, video, video.model_copy(update={"replayed": True})):
+            bus.publish(producer, kafka_settings.kafka_results_topic, result.request_id, result.to_bytes())
+        assert [r.video_uri for r in watcher.wait([first], timeout_s=60)] == ["s3://x/first.mp4"]
+        # the other request's answer was seen meanwhile and is its own; the replayed copy is not kept twice
+        [answer] = watcher.wait([second], timeout_s=5)
+        assert answer.error is not None and answer.error.code == "request_id_reused"
+        assert list(watcher.wait(["not-sent"], timeout_s=2)) == []  # reads the rest of the topic
+        assert len(watcher.received["one-id"]) == 2
+    producer.close(timeout=10)

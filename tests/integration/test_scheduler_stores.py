@@ -185,11 +185,17 @@ def test_a_request_that_ended_without_a_video_can_be_sent_again(ledger: Ledger, 
     assert ledger.begin("r-again", owner="c", lease_s=60, origin="requests:1:4").outcome == "busy"
 
 
-def test_a_request_that_was_served_stays_a_duplicate(ledger: Ledger) -> None:
+def test_a_request_that_was_served_stays_a_duplicate_that_names_the_message_it_was_claimed_from(
+    ledger: Ledger,
+) -> None:
     ledger.begin("r-served", owner="a", lease_s=60, origin="requests:0:1")
     ledger.record_dispatch(record("r-served"))
     ledger.set_state("r-served", RequestState.DONE)
-    assert ledger.begin("r-served", owner="b", lease_s=60, origin="requests:0:2").outcome == "duplicate"
+    again = ledger.begin("r-served", owner="b", lease_s=60, origin="requests:0:2")
+    assert (again.outcome, again.origin) == ("duplicate", "requests:0:1")
+    assert again.resent_by("requests:0:2")  # a new message with the id: its sender asks again
+    redelivered = ledger.begin("r-served", owner="b", lease_s=60, origin="requests:0:1")
+    assert redelivered.outcome == "duplicate" and not redelivered.resent_by("requests:0:1")
 
 
 def test_an_older_ledger_file_gains_the_origin_column(tmp_path: Path) -> None:

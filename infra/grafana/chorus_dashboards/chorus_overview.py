@@ -118,6 +118,10 @@ def throughput(lay: Layout) -> None:
                     f"sum by (reason) (rate(chorus_requests_rejected_total{RATE}))", "rejected ({{reason}})"
                 ),
                 Query(f"sum(rate(chorus_requests_duplicate_total{RATE}))", "duplicate"),
+                Query(
+                    f"sum by (outcome) (rate(chorus_requests_resent_total{RATE}))",
+                    "id sent again ({{outcome}})",
+                ),
             ],
             unit="reqps",
         ),

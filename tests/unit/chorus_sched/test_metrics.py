@@ -179,6 +179,7 @@ def test_the_scheduler_counts_requests_lookups_results_hits_and_cache(
     assert c("chorus_requests_dead_lettered_total", reason="invalid_request") == 1
     assert c("chorus_requests_rejected_total", reason="invalid_request") == 1
     assert c("chorus_requests_duplicate_total") == 1
+    assert c("chorus_requests_resent_total", outcome="waiting") == 1  # answered when "lead" finishes
     assert c("chorus_scheduler_phase_duration_seconds_count", phase="embed") == 1
     assert c("chorus_scheduler_phase_duration_seconds_count", phase="search") == 1
     assert c("chorus_scheduler_phase_duration_seconds_count", phase="dispatch") == 1

@@ -195,11 +195,11 @@ def test_the_results_table_says_what_each_video_is() -> None:
     done = {"status": ResultStatus.DONE, "steps_requested": 4, "video_uri": "s3://b/v"}
     results = {
         "r0": GenerationResult(request_id="r0", reuse=ReuseKind.STAGE1, seed_honoured=False, **done),
-        "r1": GenerationResult(request_id="r1", reuse=ReuseKind.EXACT, **done),
+        "r1": GenerationResult(request_id="r1", reuse=ReuseKind.EXACT, replayed=True, **done),
     }
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(_table(requests, results))
     rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "│" in line}
     assert "stage1, donor's seed" in rows["r0"]  # a valid video for the prompt, not the requested seed's own
-    assert " exact " in rows["r1"] and "donor's seed" not in rows["r1"]
+    assert "exact, answered before" in rows["r1"] and "donor's seed" not in rows["r1"]
     assert "no result" in rows["r2"]

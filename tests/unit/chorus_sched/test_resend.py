@@ -1,0 +1,149 @@
+"""Request ids sent again (chorus_sched.resend), with the in-memory fakes of tests/helpers/scheduler_fakes.py:
+a redelivery stays silent, a new message with the id is answered — replayed, answered when its request finishes,
+or rejected when it asks for something else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from chorus_sched.resend import REQUEST_ID_REUSED, RESULT_NOT_KEPT
+from producer.contract import GenerationResult, ResultStatus, ReuseKind
+from tests.helpers.scheduler_fakes import Msg, Ports, done, make_ports, request
+
+
+@pytest.fixture
+def ports(tmp_path: Any) -> Ports:
+    return make_ports(tmp_path)
+
+
+def answers(ports: Ports) -> list[GenerationResult]:
+    return [
+        GenerationResult.model_validate_json(v)
+        for v in ports.on(ports.scheduler.settings.kafka_results_topic)
+    ]
+
+
+def finished(ports: Ports, rid: str, **fields: Any) -> GenerationResult:
+    """Feed the worker's result of ``rid`` (it names the fingerprint of the request dispatched)."""
+    [order] = [o for o in ports.dispatcher.orders if o.request.request_id == rid]
+    result = done(rid, request_fingerprint=order.request.fingerprint, **fields)
+    ports.scheduler.handle_results([Msg(result.to_bytes(), 0, topic="results")])
+    return result
+
+
+def test_an_id_sent_again_after_it_finished_gets_its_result_again_and_a_redelivery_gets_nothing(
+    ports: Ports,
+) -> None:
+    first = request(request_id="again", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    result = finished(ports, "again")
+
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])  # the claimed message read again
+    assert answers(ports) == []
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 5)])  # the sender asking again
+    [replay] = answers(ports)
+    assert replay.replayed and replay.model_copy(update={"replayed": False}) == result
+    assert len(ports.dispatcher.orders) == 1  # nothing computed again
+    assert ports.ledger.state("again") == "done"
+
+    # the scheduler's own feedback takes the copy in as nothing new
+    counted = ports.scheduler.stats.results
+    ports.scheduler.handle_results([Msg(replay.to_bytes(), 1, topic="results")])
+    assert ports.scheduler.stats.results == counted
+
+
+def test_an_id_sent_again_while_its_request_runs_is_answered_when_it_finishes(ports: Ports) -> None:
+    first = request(request_id="running", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
+    assert answers(ports) == [] and len(ports.dispatcher.orders) == 1
+
+    result = finished(ports, "running")
+    [replay] = answers(ports)  # the worker's own result went out on its own; this is the resent message's
+    assert replay.replayed and replay.video_uri == result.video_uri
+
+
+def test_two_copies_in_one_poll_run_once_and_the_second_is_answered_too(ports: Ports) -> None:
+    twice = request(request_id="twice").to_bytes()
+    ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)])
+    assert len(ports.dispatcher.orders) == 1 and ports.scheduler.stats.duplicates == 1
+    finished(ports, "twice")
+    assert [(r.request_id, r.replayed) for r in answers(ports)] == [("twice", True)]
+
+
+@pytest.mark.parametrize("first_finished", [True, False], ids=["finished", "running"])
+def test_an_id_sent_again_for_another_request_is_rejected_and_the_first_keeps_its_result(
+    ports: Ports, first_finished: bool
+) -> None:
+    first = request(request_id="mine", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    if first_finished:
+        finished(ports, "mine")
+    other = request("a blue square moving up on a white background", request_id="mine", seed=3)
+    ports.scheduler.handle_requests([Msg(other.to_bytes(), 1)])
+
+    [rejected] = answers(ports)
+    assert rejected.status is ResultStatus.REJECTED and rejected.error is not None
+    assert rejected.error.code == REQUEST_ID_REUSED and "new request id" in rejected.error.message
+    # it names the request it answers, so the first request's waiter does not take it for its own
+    assert rejected.request_fingerprint == other.fingerprint != first.fingerprint
+    assert len(ports.dispatcher.orders) == 1
+    if not first_finished:
+        finished(ports, "mine")  # and the first's result, when it comes, answers only the first
+        assert len(answers(ports)) == 1
+    assert ports.ledger.state("mine") == "done"
+
+
+def test_an_id_sent_again_asking_for_its_own_seed_is_not_answered_with_a_donors_sample(
+    ports: Ports,
+) -> None:
+    first = request(request_id="donor-seed", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    finished(ports, "donor-seed", reuse=ReuseKind.STAGE1, seed_honoured=False)
+    strict = request(request_id="donor-seed", seed=3, keep_seed=True)
+    ports.scheduler.handle_requests([Msg(strict.to_bytes(), 1)])
+    [rejected] = answers(ports)
+    assert rejected.error is not None and rejected.error.code == REQUEST_ID_REUSED
+    assert "keep_seed" in rejected.error.message
+
+
+def test_an_exact_hit_sent_again_gets_its_answer_again(ports: Ports) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="orig", seed=7).to_bytes(), 0)])
+    finished(ports, "orig")
+    copy = request(request_id="copy", seed=7)
+    ports.scheduler.handle_requests([Msg(copy.to_bytes(), 1)])
+    ports.scheduler.handle_requests([Msg(copy.to_bytes(), 2)])
+    served, replay = answers(ports)
+    assert served.reuse is ReuseKind.EXACT and not served.replayed
+    assert replay.replayed and replay.served_from == "orig" and replay.request_fingerprint == copy.fingerprint
+
+
+def test_a_finished_request_whose_result_is_not_kept_is_answered_with_the_reason(ports: Ports) -> None:
+    first = request(request_id="old", seed=1)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    finished(ports, "old")
+    ports.ledger.values.pop("result:old")  # answered before results were kept, or expired before its claim
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 4)])
+    [rejected] = answers(ports)
+    assert rejected.error is not None and rejected.error.code == RESULT_NOT_KEPT
+
+
+def test_a_ledger_failure_while_answering_retries_the_message_and_keeps_the_first_claim(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = request(request_id="kept", seed=1)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    finished(ports, "kept")
+
+    def down(key: str) -> str | None:
+        raise ConnectionError("ledger down")
+
+    monkeypatch.setattr(ports.ledger, "get_value", down)
+    outcome = ports.scheduler.handle_requests([Msg(first.to_bytes(), 3)])
+    assert outcome.retry and not outcome.commit
+    assert ports.ledger.state("kept") == "done"  # the first message's claim is not released
+    monkeypatch.undo()
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 3)])
+    assert [r.replayed for r in answers(ports)] == [True]
