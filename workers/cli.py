@@ -135,7 +135,13 @@ def _servable(settings: WorkerSettings, err: Console) -> WorkerSettings:
     for m in settings.served_models:
         try:
             # count_gpus=False: this process forks the pool, whose processes start CUDA themselves
-            check_available(m, device=settings.device, wan21_dir=settings.wan21_dir, count_gpus=False)
+            check_available(
+                m,
+                device=settings.device,
+                wan21_dir=settings.wan21_dir,
+                toy_weights_dir=settings.toy_weights_dir,
+                count_gpus=False,
+            )
         except ModelUnavailable as exc:
             refused[m] = str(exc)
         else:

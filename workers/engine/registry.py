@@ -424,15 +424,34 @@ def _loader(name: str) -> Loader:
 
 
 def check_available(
-    name: str, *, device: DeviceLike, wan21_dir: Path | None = None, count_gpus: bool = True
+    name: str,
+    *,
+    device: DeviceLike,
+    wan21_dir: Path | None = None,
+    toy_weights_dir: Path | None = None,
+    count_gpus: bool = True,
 ) -> None:
     """Raise ``ModelUnavailable`` for what ``load_bundle`` would refuse before reading any weights: an unknown
-    name, a device this process cannot use, a Wan2.1 directory that is not there. A worker checks its models with
-    this before it announces them, so orders for a model it cannot load are not sent to it."""
+    name, a device this process cannot use, a Wan2.1 directory or toy weight files that are not there. A worker
+    checks its models with this before it announces them, so orders for a model it cannot load are not sent to it."""
     _loader(name)
     usable_device(device, count_gpus=count_gpus)
     if name == "wan2.1-t2v-1.3b":
         _wan21_directory(wan21_dir)
+    if name == "toy":
+        _toy_weight_files(toy_weights_dir)
+
+
+def _toy_weight_files(directory: Path | None) -> None:
+    from workers.toy.model import CONFIG_FILE, WEIGHTS_DIR, WEIGHTS_FILE
+
+    folder = Path(directory) if directory is not None else WEIGHTS_DIR
+    missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
+    if missing:
+        raise ModelUnavailable(
+            f"the toy model's weights are missing ({folder} has no {' or '.join(missing)}); set "
+            "CHORUS_TOY_WEIGHTS_DIR to a folder that has them, or train them (`chorus train-toy --install`)"
+        )
 
 
 def usable_device(device: DeviceLike, *, count_gpus: bool = True) -> torch.device:

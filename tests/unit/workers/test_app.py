@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -190,6 +191,17 @@ def test_a_worker_announces_only_the_models_it_can_load(tmp_path: Path) -> None:
     assert stopped.value.exit_code == 2
     named = WorkerSettings(state_dir=tmp_path, worker_models=["toy"])
     assert _servable(named, quiet) is named
+    # Toy weights that are not there: found before announcing, not by every order failing model_unavailable.
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    without = WorkerSettings(state_dir=tmp_path, toy_weights_dir=empty)
+    assert "toy" not in _servable(without, quiet).served_models
+    loud = Console(record=True, width=300, file=io.StringIO())
+    with pytest.raises(typer.Exit) as stopped:
+        _servable(without.model_copy(update={"worker_models": ["toy"]}), loud)
+    assert stopped.value.exit_code == 2
+    said = loud.export_text()
+    assert "the toy model's weights are missing" in said and "CHORUS_TOY_WEIGHTS_DIR" in said
 
 
 def test_a_worker_on_a_device_it_cannot_use_does_not_start() -> None:
