@@ -229,7 +229,9 @@ def _bind_queues(app: Celery) -> None:
 def send_generate(app: Celery, order: WorkOrder, **options: Any) -> AsyncResult[Any]:
     """Enqueue one work order on its model's queue; returns once the broker has the message.
 
-    The task id is the job id, so a result (and a redelivered order) is traceable to its request.
+    The task id is the job id, so a result (and a redelivered order) is traceable to its request. What Celery
+    logs of the task's arguments (its "received" and failure lines, events) names the order, never its prompt:
+    prompts are the tenants' content and stay out of logs.
     """
     queue = queue_for(order.request.model)
     return app.send_task(
@@ -239,7 +241,18 @@ def send_generate(app: Celery, order: WorkOrder, **options: Any) -> AsyncResult[
         routing_key=queue,
         exchange=EXCHANGE.name,
         task_id=options.pop("task_id", order.request.job_id),
+        argsrepr=options.pop("argsrepr", order_summary(order)),
         **options,
+    )
+
+
+def order_summary(order: WorkOrder) -> str:
+    """A work order as logs may show it: who, which model, which plan and role, without the prompts."""
+    plan = order.plan
+    donor = order.donor.request_id if order.donor is not None else "-"
+    return (
+        f"[work order {order.request.job_id}: {order.request.model}, {order.role}, plan "
+        f"{plan.stage1_steps}/{plan.stage2_steps}/{plan.stage3_steps}, donor {donor}]"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ class Task:
     name: str
     args: list[Any]
     properties: dict[str, Any]
+    headers: dict[str, Any] = field(default_factory=dict)
 
     @property
     def order(self) -> WorkOrder:
@@ -79,7 +80,7 @@ def drain(app: Celery, queue: str) -> list[Task]:
             except simple.Empty:
                 break
             args, _kwargs, _embed = message.payload
-            tasks.append(Task(message.headers["task"], args, dict(message.properties)))
+            tasks.append(Task(message.headers["task"], args, dict(message.properties), dict(message.headers)))
             message.ack()
         simple.close()
     return tasks

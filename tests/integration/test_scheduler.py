@@ -65,6 +65,9 @@ def test_requests_become_one_task_each_bad_ones_are_dead_lettered_and_duplicates
     assert lead.role is Role.LEADER and lead.plan == ReusePlan.full(4) and lead.donor is None
     assert lead.request == first
     assert tasks["r-first"].properties.get("priority") == 4  # Redis serves lower numbers first: 9 - 5
+    # what Celery logs of the order ("Task received", failures) names it without the tenant's prompt
+    shown = tasks["r-first"].headers["argsrepr"]
+    assert "r-first" in shown and "toy" in shown and first.prompt not in shown
     solo = tasks["r-off"].order
     assert solo.role is Role.SOLO and solo.plan == ReusePlan.full(4)
     assert harness.scheduler.index.get("r-off") is None  # reuse off: never a leader, never indexed
