@@ -44,7 +44,8 @@ class Publisher(Protocol):
 class SchedulerStats:
     requests: int = 0
     dead_lettered: int = 0
-    duplicates: int = 0
+    duplicates: int = 0  # the claimed message read again: skipped
+    resent: int = 0  # a new message with a taken id: answered (chorus_sched.resend)
     busy: int = 0
     dispatched: int = 0
     leaders: int = 0

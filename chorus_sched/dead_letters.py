@@ -19,6 +19,7 @@ from producer.contract import (
     DeadLetter,
     ErrorInfo,
     FieldIssue,
+    GenerationRequest,
     GenerationResult,
     ResultStatus,
     job_id,
@@ -55,7 +56,17 @@ class DeadLetters:
         self.publish = publish
         self.stats = stats
 
-    def send(self, m: Message, code: str, message: str, issues: list[FieldIssue]) -> None:
+    def send(
+        self,
+        m: Message,
+        code: str,
+        message: str,
+        issues: list[FieldIssue],
+        *,
+        resend: GenerationRequest | None = None,
+    ) -> None:
+        """Dead-letter ``m``. ``resend``: the message sent again the id of a request taken before; its sender is
+        told why (a result that answers the resend, never the request itself: see ``chorus_sched.resend``)."""
         mark = f"dlq:{m.topic}:{m.partition}:{m.offset}"
         if self.ledger.is_marked(mark):
             return
@@ -78,16 +89,19 @@ class DeadLetters:
         )
         # A producer waiting for this request id learns why it will get no video — unless the id belongs
         # to a request that was accepted before (a broken duplicate must not contradict the real one).
-        if rid is not None and (
-            code == "scheduling_failed" or self.ledger.state(job_id(tenant, rid)) is None
+        if resend is not None or (
+            rid is not None
+            and (code == "scheduling_failed" or self.ledger.state(job_id(tenant, rid)) is None)
         ):
             rejected = GenerationResult(
-                request_id=rid,
-                tenant=tenant,
+                request_id=resend.request_id if resend is not None else rid or "",
+                tenant=resend.tenant if resend is not None else tenant,
                 status=ResultStatus.REJECTED,
                 error=ErrorInfo(code=code, message=message[:2000]),
+                request_fingerprint=resend.fingerprint if resend is not None else None,
+                answers_resend=resend is not None,
             )
-            self.publish(self.settings.kafka_results_topic, rid, rejected.to_bytes())
+            self.publish(self.settings.kafka_results_topic, rejected.request_id, rejected.to_bytes())
             rejected_sent = True
         self.ledger.mark_once(mark)
         self.stats.dead_lettered += 1

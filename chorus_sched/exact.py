@@ -22,6 +22,7 @@ from enum import StrEnum
 from chorus_sched.batch import Publisher
 from chorus_sched.ledger import Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
+from chorus_sched.resend import Resends
 from chorus_sched.settings import SchedulerSettings
 from producer.contract import (
     DonorInfo,
@@ -51,15 +52,15 @@ class ExactHits:
         ledger: Ledger,
         publish: Publisher,
         send_order: Callable[[WorkOrder], None],
-        keep: Callable[[GenerationResult], None] | None = None,
+        resends: Resends | None = None,
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.publish = publish
         self.send_order = send_order
-        # Told of each answer (``Resends.settled``), so the id sent again is answered from it too.
-        self.keep = keep
+        # Keeps each answer, so the id sent again is answered from it too.
+        self.resends = resends
         self.clock = clock
 
     def _scope(self, request: GenerationRequest) -> str:
@@ -168,9 +169,11 @@ class ExactHits:
             request_fingerprint=request.fingerprint,
         )
         self.publish(self.settings.kafka_results_topic, request.request_id, answer.to_bytes())
-        if self.keep is not None:
-            self.keep(answer)
+        if self.resends is not None:
+            self.resends.keep(answer)
         self.ledger.set_state(request.job_id, RequestState.DONE)
+        if self.resends is not None:
+            self.resends.answer_waiting(answer)
         METRICS.exact_hits.labels(kind=kind).inc()
         log.info(
             "exact hit: answered from an identical request's result",

@@ -94,8 +94,8 @@ class Feedback:
         return finish(progress, self.stats)
 
     def _on_result(self, result: GenerationResult) -> None:
-        if result.replayed:
-            return  # a copy of a result already taken in, for an id sent again (chorus_sched.resend)
+        if result.answers_resend:
+            return  # an answer to a message that sent the id again: nothing new (chorus_sched.resend)
         rid = result.job_id  # the ledger and the index know a request by its job id (ids are per tenant)
         record = self.ledger.record(rid)
         if record is None:
@@ -107,9 +107,19 @@ class Feedback:
         self.stats.results += 1
         METRICS.results.labels(status=str(result.status)).inc()
         state = self.ledger.state(rid)
-        leader = record.role is Role.LEADER
         self.exact.on_result(record, result)
-        self.resends.settled(result)  # before the state says done: a resend that sees it finds the result
+        # The request's answer, kept before the state says it ended (a resend that sees the state finds it); a
+        # stray failure after a video does not replace the video.
+        answer = result.status is ResultStatus.DONE or state != RequestState.DONE
+        if answer:
+            self.resends.keep(result)
+        self._take_in(record, result, state)
+        if answer:
+            self.resends.answer_waiting(result)
+
+    def _take_in(self, record: RequestRecord, result: GenerationResult, state: RequestState | None) -> None:
+        """Index a video's trajectory, count hits and checks, evict what a failure leaves behind."""
+        rid, leader = record.request_id, record.role is Role.LEADER
         if result.status is ResultStatus.DONE:
             if state != RequestState.EVICTED:
                 self.ledger.set_state(rid, RequestState.DONE)

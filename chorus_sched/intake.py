@@ -121,12 +121,13 @@ class Intake:
                     request.job_id, owner=self.instance, lease_s=self.settings.claim_lease_s, origin=origin
                 )
             except Exception as exc:
-                self._failed(m, progress, exc, request)
+                # Not ours to release: the claim may belong to an earlier message with this id (and one this call
+                # did take is our own lease, resumed when the message is read again).
+                self._failed(m, progress, exc, None)
                 continue
             # A second copy within this poll finds our own fresh lease ("resumed"): it is a new message too.
             if request.job_id in in_batch or claim.resent_by(origin):
-                self.stats.duplicates += 1
-                METRICS.duplicates.inc()
+                self.stats.resent += 1
                 self._answer_resend(m, request, claim.state, progress)
             elif claim.outcome == "duplicate":
                 self.stats.duplicates += 1
@@ -153,6 +154,7 @@ class Intake:
                     # Its new order reuses the task id: the ended one's marks would make a worker skip it.
                     try:
                         self.dispatcher.forget(request.job_id)
+                        self.resends.forget(request.job_id)
                     except Exception as exc:
                         self._failed(m, progress, exc, request)
                         continue
@@ -174,10 +176,9 @@ class Intake:
         self, m: Message, request: GenerationRequest, state: RequestState | None, progress: Progress
     ) -> None:
         try:
-            self.resends.answer(request, state)
+            self.resends.answer(request, state, origin=f"{m.topic}:{m.partition}:{m.offset}")
         except Exception as exc:
-            # Not the request's claim to release: it belongs to the first message with this id.
-            self._failed(m, progress, exc, None)
+            self._failed(m, progress, exc, request, resent=True)
 
     def _answered_exactly(self, m: Message, request: GenerationRequest, progress: Progress) -> bool:
         """True if an identical request's result answers this one (now, or when that one finishes)."""
@@ -272,10 +273,17 @@ class Intake:
         )
 
     def _failed(
-        self, m: Message, progress: Progress, exc: BaseException, request: GenerationRequest | None
+        self,
+        m: Message,
+        progress: Progress,
+        exc: BaseException,
+        request: GenerationRequest | None,
+        *,
+        resent: bool = False,
     ) -> None:
-        """A message could not be scheduled: retry it (transient), or dead-letter it after max_attempts."""
-        if request is not None:
+        """A message could not be scheduled: retry it (transient), or dead-letter it after max_attempts.
+        ``resent``: it sent again the id of a request taken before, whose claim and state are not this message's."""
+        if request is not None and not resent:
             try:
                 self.ledger.release(request.job_id)
             except Exception as release_exc:  # the lease expires by itself
@@ -301,8 +309,14 @@ class Intake:
             return
         del self._attempts[key]
         try:
-            self.dead_letters.send(m, "scheduling_failed", f"scheduling failed {attempts} times: {exc!r}", [])
-            if request is not None:
+            self.dead_letters.send(
+                m,
+                "scheduling_failed",
+                f"scheduling failed {attempts} times: {exc!r}",
+                [],
+                resend=request if resent else None,
+            )
+            if request is not None and not resent:
                 self.ledger.set_state(
                     request.job_id, RequestState.DEAD_LETTERED, origin=f"{m.topic}:{m.partition}:{m.offset}"
                 )

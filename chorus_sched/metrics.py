@@ -1,7 +1,7 @@
 """The scheduler's Prometheus metrics, and the ``/metrics`` endpoint that serves them.
 
 Every metric is defined here and incremented at one place in the scheduler's modules (``chorus_sched.intake``,
-``dead_letters``, ``feedback``, ``maintenance``, ``loop``; the catalogue below names it). Labels take values from
+``dead_letters``, ``feedback``, ``resend``, ``maintenance``, ``loop``; the catalogue below names it). Labels take values from
 small fixed sets only (roles, outcomes, reasons, catalog models, queue names); each labelled series is created at
 zero when the module loads, so ``rate``/``increase`` see the first event too.
 
@@ -12,7 +12,8 @@ metric                                                      type       where
 ``chorus_requests_accepted_total{role}``                    counter    each work order on the broker
 ``chorus_requests_rejected_total{reason}``                  counter    each ``rejected`` result published
 ``chorus_requests_dead_lettered_total{reason}``             counter    each message sent to the dead-letter topic
-``chorus_requests_duplicate_total``                         counter    each copy of an already scheduled request
+``chorus_requests_duplicate_total``                         counter    each claimed message read again (skipped)
+``chorus_requests_resent_total{outcome}``                   counter    each new message with a taken id, answered
 ``chorus_scheduler_retries_total{cause}``                   counter    each message left for a later poll
 ``chorus_donor_lookups_total{outcome}``                     counter    each index search for a request
 ``chorus_donor_similarity{role}``                           histogram  similarity of each chosen donor
@@ -90,9 +91,10 @@ QUEUE_SAMPLE_INTERVAL_S: Final = 5.0
 class ResendOutcome(StrEnum):
     """What ``chorus_sched.resend`` did with a new message carrying a taken request id (a metric label)."""
 
-    REPLAYED = "replayed"  # the kept result published again
-    WAITING = "waiting"  # in flight: answered by its result when it comes
-    REJECTED = "rejected"  # another request under the same id, or a finished one whose result is gone
+    REPLAYED = (
+        "replayed"  # answered with a copy of its request's answer (at once, or when the request finished)
+    )
+    REJECTED = "rejected"  # the answer does not fit what it asks (request_id_reused), or is no longer kept
 
 
 class SchedulerMetrics:
@@ -131,13 +133,14 @@ class SchedulerMetrics:
         )
         self.duplicates = Counter(
             "chorus_requests_duplicate",
-            "Copies of a request that was already scheduled (skipped).",
+            "The message a request was claimed from, read again (a redelivery: skipped).",
             registry=registry,
         )
         self.resent = Counter(
             "chorus_requests_resent",
-            "New messages with the id of a request taken before, by outcome: replayed (its kept result sent "
-            "again), waiting (answered by its result when it comes) or rejected (another request under the id).",
+            "New messages with the id of a request taken before, counted once answered, by outcome: replayed (a "
+            "copy of the request's answer, at once or when it finished) or rejected (request_id_reused: another "
+            "request under the id; result_not_kept).",
             ["outcome"],
             registry=registry,
         )

@@ -1,32 +1,44 @@
 """Request ids sent again: a *new* message with the id of a request the scheduler has already taken.
 
-One request, one result — and a sender who asks again is answered, never left waiting. The ledger tells the two
+A request runs once per id, and a sender who asks again is answered, not left waiting. The ledger tells the two
 kinds of duplicate apart by where the request was claimed from (``Claim.resent_by``):
 
-- the claimed message read again (a redelivery after a crash or a rebalance): skipped, as before; its request's
-  one result answers whoever sent it;
+- the claimed message read again (a redelivery after a crash or a rebalance): skipped; the request's one result
+  answers whoever sent it;
 - a new message with the id (a client that timed out and resends, a batch sent twice, a producer retry): answered
-  here. The request finished with a video: its kept result is published again, ``replayed``, nothing computed. It is
-  still in flight: the message waits under the job id, and the request's result answers it when it comes (a
-  client follows the results topic from before it sends, but the first answer may have gone out just before). A
-  request that ended without a video is not a resend: the ledger claims it afresh (``Claim`` outcome ``retry``).
+  here, with ``answers_resend`` set (the scheduler's feedback takes such results for nothing new). The request has
+  its answer: a copy of it goes out, nothing computed. It is in flight: the message waits under the job id, and
+  the request's result answers it when it comes (the first answer may have gone out just before the sender
+  started to follow the topic). A request that ended without a video is not a resend: the ledger claims it
+  afresh (``Claim`` outcome ``retry``), and the answer kept for it is forgotten.
 
-A new message that asks for something else under the id (another prompt, seed, shape…: another
-``GenerationRequest.fingerprint``, or ``keep_seed`` where the kept video is a donor's sample) is ``rejected`` with
-``request_id_reused``; the first request and its result are untouched. Results name the fingerprint they answer
-(``request_fingerprint``), so a client waiting on its request (``ResultWatcher.wait``) takes its own answer and
-not the other's. Results are kept for the ledger's TTL, as long as the claim that recognises the id.
+A new message whose request the answer does not fit is ``rejected`` with ``request_id_reused``, and the first
+request and its result are untouched: another prompt, seed, shape… (another ``GenerationRequest.fingerprint``),
+``reuse: off`` where the video reused work, or ``keep_seed`` where it started from a donor of another seed. Results
+name the fingerprint they answer (``request_fingerprint``), so a client waiting on its request
+(``ResultWatcher.wait``) takes its own answer and not the other's. Answers are kept for the ledger's TTL, as long as
+the claim that recognises the id.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+
+from pydantic import ValidationError
 
 from chorus_sched.batch import Publisher
 from chorus_sched.ledger import Ledger, RequestState
 from chorus_sched.metrics import METRICS, ResendOutcome
 from chorus_sched.settings import SchedulerSettings
-from producer.contract import ErrorInfo, GenerationRequest, GenerationResult, ResultStatus
+from producer.contract import (
+    ErrorInfo,
+    GenerationRequest,
+    GenerationResult,
+    ResultStatus,
+    ReuseKind,
+    ReusePolicy,
+)
 from producer.orders import WorkOrder
 
 log = logging.getLogger(__name__)
@@ -44,7 +56,7 @@ def _waiting_key(job: str) -> str:
 
 
 class Resends:
-    """Answers request ids sent again; keeps finished results for it (``settled``, called for every result)."""
+    """Answers request ids sent again, from the answer kept for each request (``keep``, by the feedback)."""
 
     def __init__(self, settings: SchedulerSettings, *, ledger: Ledger, publish: Publisher) -> None:
         self.settings = settings
@@ -52,54 +64,68 @@ class Resends:
         self.publish = publish
 
     # --- intake ----------------------------------------------------------------------------------------------
-    def answer(self, request: GenerationRequest, state: RequestState | None) -> ResendOutcome:
-        """Answer a new message carrying the id of a request taken before (``state``: that request's)."""
+    def answer(self, request: GenerationRequest, state: RequestState | None, *, origin: str) -> None:
+        """Answer the message at ``origin`` that sent again the id of a request taken before (in ``state``)."""
         job = request.job_id
         kept = self._kept(job)
         if kept is not None:
-            return self._respond(request, kept)
-        first = self._dispatched(job)
-        if first is not None and first.fingerprint != request.fingerprint:
-            return self._reject(request, REQUEST_ID_REUSED, _reused_message(request))
+            self._respond(request, kept)
+            return
         if state is RequestState.DONE:
-            # Answered before this module kept results, or its result outlived by the claim: say so, never hang.
-            return self._reject(
+            # Answered before answers were kept, or its answer expired before its claim: say so, never hang.
+            self._reject(
                 request,
                 RESULT_NOT_KEPT,
                 f"request id {request.request_id!r} was answered earlier and its result is no longer kept; "
                 "send it with a new request id",
             )
-        self.ledger.add_waiter(_waiting_key(job), request.model_dump_json())
-        # The result may have been kept between the look and the push, its waiting list taken empty: look again
-        # (taking the list is atomic, so nothing is answered twice).
-        kept = self._kept(job)
-        if kept is not None:
-            self._answer_waiting(kept)
-        METRICS.resent.labels(outcome=ResendOutcome.WAITING).inc()
+            return
+        first = self._dispatched(job)
+        if first is not None and first.fingerprint != request.fingerprint:
+            self._reject(request, REQUEST_ID_REUSED, _reused_message(request))  # at once, not after its run
+            return
+        waiting = json.dumps({"origin": origin, "request": request.model_dump(mode="json")})
+        self.ledger.add_waiter(_waiting_key(job), waiting)
         log.info(
             "request id sent again while its request runs; its result will answer this message too",
             extra={"request_id": request.request_id, "tenant": request.tenant, "state": state},
         )
-        return ResendOutcome.WAITING
+        # The answer may have been kept between the look and the push, its waiting list taken empty: look again
+        # (taking the list is atomic, so nothing is answered twice).
+        kept = self._kept(job)
+        if kept is not None:
+            self.answer_waiting(kept)
+
+    def forget(self, job: str) -> None:
+        """The request is claimed afresh (it ended without a video and was sent again): its old answer is void."""
+        self.ledger.delete_value(_kept_key(job))
 
     # --- results ---------------------------------------------------------------------------------------------
-    def settled(self, result: GenerationResult) -> None:
-        """A request this deployment took has its result: keep it if it has a video, answer messages waiting."""
-        if result.replayed:
-            return
-        if result.status is ResultStatus.DONE:
+    def keep(self, result: GenerationResult) -> None:
+        """Keep the answer of a request this deployment took, before its state says it ended."""
+        if not result.answers_resend:
             self.ledger.put_value(_kept_key(result.job_id), result.model_dump_json())
-        self._answer_waiting(result)
 
-    def _answer_waiting(self, result: GenerationResult) -> None:
+    def answer_waiting(self, result: GenerationResult) -> None:
+        """Answer the messages that sent the request's id again while it ran (each message once)."""
         waiting = self.ledger.take_waiters(_waiting_key(result.job_id))
+        answered: set[str] = set()  # a poll read again after a failure pushes its copies again
         for i, raw in enumerate(waiting):
             try:
-                self._respond(GenerationRequest.model_validate_json(raw), result)
+                entry = json.loads(raw)
+                origin, request = entry["origin"], GenerationRequest.model_validate(entry["request"])
+            except (ValueError, KeyError, TypeError, ValidationError) as exc:
+                log.error("unreadable resend entry dropped", extra={"job": result.job_id, "error": repr(exc)})
+                continue
+            if origin in answered:
+                continue
+            try:
+                self._respond(request, result)
             except Exception:
-                for left in waiting[i:]:  # answered on the result's retry
+                for left in waiting[i:]:  # answered when the result is handled again
                     self.ledger.add_waiter(_waiting_key(result.job_id), left)
                 raise
+            answered.add(origin)
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _kept(self, job: str) -> GenerationResult | None:
@@ -112,32 +138,48 @@ class Resends:
             return None
         return WorkOrder.model_validate_json(record.order).request
 
-    def _respond(self, request: GenerationRequest, result: GenerationResult) -> ResendOutcome:
-        if result.request_fingerprint is not None and result.request_fingerprint != request.fingerprint:
-            return self._reject(request, REQUEST_ID_REUSED, _reused_message(request))
-        if request.keep_seed and not result.seed_honoured:
-            return self._reject(
+    def _respond(self, request: GenerationRequest, result: GenerationResult) -> None:
+        """Send ``request``'s sender a copy of ``result``, or why it does not answer that request."""
+        first = result.request_fingerprint
+        if first is None and (dispatched := self._dispatched(request.job_id)) is not None:
+            first = dispatched.fingerprint  # a worker too old to name it
+        if first is not None and first != request.fingerprint:
+            self._reject(request, REQUEST_ID_REUSED, _reused_message(request))
+        elif request.reuse is ReusePolicy.OFF and result.reuse is not ReuseKind.NONE:
+            self._reject(
+                request,
+                REQUEST_ID_REUSED,
+                f"request id {request.request_id!r} was answered with a video that reused work (reuse: "
+                f"{result.reuse}); to get one computed without reuse, send it with a new request id",
+            )
+        elif request.keep_seed and not result.seed_honoured:
+            self._reject(
                 request,
                 REQUEST_ID_REUSED,
                 f"request id {request.request_id!r} was answered with a video started from a donor of another "
                 "seed; to get this seed's own sample (keep_seed), send it with a new request id",
             )
-        replay = result.model_copy(update={"replayed": True})
-        self.publish(self.settings.kafka_results_topic, request.request_id, replay.to_bytes())
-        METRICS.resent.labels(outcome=ResendOutcome.REPLAYED).inc()
-        log.info(
-            "request id sent again; answered with its earlier result",
-            extra={"request_id": request.request_id, "tenant": request.tenant, "status": str(result.status)},
-        )
-        return ResendOutcome.REPLAYED
+        else:
+            copy = result.model_copy(update={"answers_resend": True})
+            self.publish(self.settings.kafka_results_topic, request.request_id, copy.to_bytes())
+            METRICS.resent.labels(outcome=ResendOutcome.REPLAYED).inc()
+            log.info(
+                "request id sent again; answered with its earlier result",
+                extra={
+                    "request_id": request.request_id,
+                    "tenant": request.tenant,
+                    "status": str(result.status),
+                },
+            )
 
-    def _reject(self, request: GenerationRequest, code: str, message: str) -> ResendOutcome:
+    def _reject(self, request: GenerationRequest, code: str, message: str) -> None:
         rejected = GenerationResult(
             request_id=request.request_id,
             tenant=request.tenant,
             status=ResultStatus.REJECTED,
             error=ErrorInfo(code=code, message=message),
             request_fingerprint=request.fingerprint,
+            answers_resend=True,
         )
         self.publish(self.settings.kafka_results_topic, request.request_id, rejected.to_bytes())
         METRICS.resent.labels(outcome=ResendOutcome.REJECTED).inc()
@@ -150,7 +192,6 @@ class Resends:
                 "reason": message,
             },
         )
-        return ResendOutcome.REJECTED
 
 
 def _reused_message(request: GenerationRequest) -> str:

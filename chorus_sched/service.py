@@ -97,7 +97,7 @@ class Scheduler:
             ledger=ledger,
             publish=publish,
             send_order=dispatcher.generate,
-            keep=self.resends.settled,
+            resends=self.resends,
             clock=clock,
         )
         self.intake = Intake(

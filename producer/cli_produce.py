@@ -275,7 +275,7 @@ def _table(requests: list[GenerationRequest], results: dict[str, GenerationResul
         # What the video is, whether it is the requested seed's own sample (a Stage-1 donor of another seed
         # gives a valid video for the prompt, but not that one), and whether the id was answered before.
         reuse = str(r.reuse) + ("" if r.seed_honoured else ", donor's seed")
-        reuse += ", answered before" if r.replayed else ""
+        reuse += ", answered before" if r.answers_resend and r.status is ResultStatus.DONE else ""
         table.add_row(
             escape(r.request_id),
             status,

@@ -383,14 +383,10 @@ class GenerationResult(_Wire):
         description="True when the prompt was longer than the model's text token budget and its end was cut",
     )
     verification: VerificationReport | None = Field(default=None, description="the donor check, if one ran")
-    request_fingerprint: str | None = Field(
-        default=None,
-        description="the fingerprint of the request this result answers (None: not known, e.g. a message that was "
-        "not a request): a client that sent a request id again with other content tells the two answers apart",
-    )
-    replayed: bool = Field(
-        default=False,
-        description="a copy of the earlier result, sent because the request id was sent again after it finished",
+    # The fingerprint of the request answered (None: unknown): two requests sent under one id get told apart.
+    request_fingerprint: str | None = None
+    answers_resend: bool = Field(
+        default=False, description="answers a message that sent the id again: nothing new about the request"
     )
 
     @property

@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from producer.catalog import ModelName
+from producer.logs import quiet_transformers
 from workers.cli_options import aliased
 
 if TYPE_CHECKING:
@@ -312,7 +313,7 @@ def _load(model: str, device: str, dtype: str, settings: WorkerSettings) -> Mode
     from workers.engine.registry import load_bundle
 
     try:
-        with _err.status(f"loading {model}…"):
+        with _err.status(f"loading {model}…"), quiet_transformers():
             return load_bundle(
                 model,
                 device=device,

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from producer.catalog import CATALOG
 from producer.contract import GenerationResult
+from producer.logs import quiet_transformers
 from producer.orders import Role, WorkOrder, trajectory_prefix, video_key
 from producer.readiness import ReadinessEvent
 from workers import metrics as worker_metrics
@@ -130,13 +131,14 @@ def _load(model: str, settings: WorkerSettings) -> ModelBundle:
             dtype=settings.dtype,
             name="mid-random-wan",
         )
-    return load_bundle(
-        model,
-        device=settings.device,
-        dtype=settings.dtype,
-        wan21_dir=settings.wan21_dir,
-        toy_weights_dir=settings.toy_weights_dir,
-    )
+    with quiet_transformers():  # no progress bars or config warnings in a worker's log
+        return load_bundle(
+            model,
+            device=settings.device,
+            dtype=settings.dtype,
+            wan21_dir=settings.wan21_dir,
+            toy_weights_dir=settings.toy_weights_dir,
+        )
 
 
 _default_threads: int | None = None  # torch's own count for this process, before any model asked for another

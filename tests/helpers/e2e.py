@@ -204,10 +204,10 @@ def check_stored(stack: EmbeddedStack, result: GenerationResult) -> None:
 
 def check_ran_once(stack: EmbeddedStack, ids: Sequence[str]) -> None:
     """Each id was dispatched once by the schedulers, started once by the workers and has one result (besides
-    the copies sent again for senders that asked again: ``replayed``)."""
+    the answers to messages that sent the id again: ``answers_resend``)."""
     dispatched = Counter(e["request_id"] for e in events(stack.schedulers, "request dispatched"))
     started = Counter(e["request_id"] for e in events(stack.workers, "order started"))
-    published = Counter(r.request_id for r in results_on_topic(stack) if not r.replayed)
+    published = Counter(r.request_id for r in results_on_topic(stack) if not r.answers_resend)
     for rid in ids:
         assert (dispatched[rid], started[rid], published[rid]) == (1, 1, 1), rid
 

@@ -241,7 +241,7 @@ def test_the_same_request_id_published_three_times_runs_once_and_each_sender_is_
         client.submit(copy)  # and again after it finished, by a sender that missed the first answer
         [replay] = later.wait([copy], timeout_s=WAIT_S)
     assert result.status is ResultStatus.DONE, result.error
-    assert replay.replayed and replay.video_uri == result.video_uri and not result.replayed
+    assert replay.answers_resend and replay.video_uri == result.video_uri and not result.answers_resend
     stack.wait_idle(timeout_s=WAIT_S)  # the scheduler has read all three copies
     answered = events(stack.schedulers, "request id sent again; answered with its earlier result")
     assert [e["request_id"] for e in answered] == [copy.request_id] * 2

@@ -246,10 +246,10 @@ def test_the_watcher_tells_apart_two_requests_sent_under_one_id_by_their_content
     )
     producer = bus.make_producer(kafka_settings)
     with ResultWatcher(kafka_settings) as watcher:
-        for result in (rejected, video, video.model_copy(update={"replayed": True})):
+        for result in (rejected, video, video.model_copy(update={"answers_resend": True})):
             bus.publish(producer, kafka_settings.kafka_results_topic, result.request_id, result.to_bytes())
         assert [r.video_uri for r in watcher.wait([first], timeout_s=60)] == ["s3://x/first.mp4"]
-        # the other request's answer was seen meanwhile and is its own; the replayed copy is not kept twice
+        # the other request's answer was seen meanwhile and is its own; the copy answering a resend is not kept twice
         [answer] = watcher.wait([second], timeout_s=5)
         assert answer.error is not None and answer.error.code == "request_id_reused"
         assert list(watcher.wait(["not-sent"], timeout_s=2)) == []  # reads the rest of the topic

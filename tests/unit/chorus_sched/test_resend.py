@@ -1,6 +1,7 @@
 """Request ids sent again (chorus_sched.resend), with the in-memory fakes of tests/helpers/scheduler_fakes.py:
-a redelivery stays silent, a new message with the id is answered — replayed, answered when its request finishes,
-or rejected when it asks for something else."""
+a redelivery stays silent, a new message with the id is answered — with a copy of its request's answer, at once or
+when the request finishes, or rejected when that answer does not fit what it asks — and the request itself is never
+touched by it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from chorus_sched.resend import REQUEST_ID_REUSED, RESULT_NOT_KEPT
-from producer.contract import GenerationResult, ResultStatus, ReuseKind
+from producer.contract import ErrorInfo, GenerationResult, ResultStatus, ReuseKind
 from tests.helpers.scheduler_fakes import Msg, Ports, done, make_ports, request
 
 
@@ -44,7 +45,7 @@ def test_an_id_sent_again_after_it_finished_gets_its_result_again_and_a_redelive
     assert answers(ports) == []
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 5)])  # the sender asking again
     [replay] = answers(ports)
-    assert replay.replayed and replay.model_copy(update={"replayed": False}) == result
+    assert replay.answers_resend and replay.model_copy(update={"answers_resend": False}) == result
     assert len(ports.dispatcher.orders) == 1  # nothing computed again
     assert ports.ledger.state("again") == "done"
 
@@ -62,15 +63,58 @@ def test_an_id_sent_again_while_its_request_runs_is_answered_when_it_finishes(po
 
     result = finished(ports, "running")
     [replay] = answers(ports)  # the worker's own result went out on its own; this is the resent message's
-    assert replay.replayed and replay.video_uri == result.video_uri
+    assert replay.answers_resend and replay.video_uri == result.video_uri
+
+
+def test_a_failure_answers_the_waiting_message_too_and_a_new_attempt_does_not_replay_it(ports: Ports) -> None:
+    first = request(request_id="flaky", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])  # waits
+    [order] = ports.dispatcher.orders
+    failed = GenerationResult(
+        request_id="flaky",
+        status=ResultStatus.FAILED,
+        error=ErrorInfo(code="engine_error", message="boom"),
+        request_fingerprint=order.request.fingerprint,
+    )
+    ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
+    [told] = answers(ports)
+    assert told.answers_resend and told.status is ResultStatus.FAILED
+
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 2)])  # asked again: a new attempt runs
+    assert len(ports.dispatcher.orders) == 2 and ports.ledger.state("flaky") == "dispatched"
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 3)])  # and a copy of that waits, not told "failed"
+    assert len(answers(ports)) == 1
+
+
+def test_an_answer_kept_just_before_the_message_waits_still_answers_it(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = request(request_id="race", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    add_waiter = ports.ledger.add_waiter
+
+    def result_lands_first(key: str, value: str) -> None:
+        # another instance's feedback keeps the answer and takes the (still empty) waiting list
+        failed = GenerationResult(
+            request_id="race", status=ResultStatus.FAILED, request_fingerprint=first.fingerprint
+        )
+        ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
+        add_waiter(key, value)
+
+    monkeypatch.setattr(ports.ledger, "add_waiter", result_lands_first)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
+    [told] = answers(ports)
+    assert told.status is ResultStatus.FAILED and told.answers_resend
+    assert ports.ledger.waiters.get("resent:race", []) == []
 
 
 def test_two_copies_in_one_poll_run_once_and_the_second_is_answered_too(ports: Ports) -> None:
     twice = request(request_id="twice").to_bytes()
     ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)])
-    assert len(ports.dispatcher.orders) == 1 and ports.scheduler.stats.duplicates == 1
+    assert len(ports.dispatcher.orders) == 1 and ports.scheduler.stats.resent == 1
     finished(ports, "twice")
-    assert [(r.request_id, r.replayed) for r in answers(ports)] == [("twice", True)]
+    assert [(r.request_id, r.answers_resend) for r in answers(ports)] == [("twice", True)]
 
 
 @pytest.mark.parametrize("first_finished", [True, False], ids=["finished", "running"])
@@ -87,8 +131,12 @@ def test_an_id_sent_again_for_another_request_is_rejected_and_the_first_keeps_it
     [rejected] = answers(ports)
     assert rejected.status is ResultStatus.REJECTED and rejected.error is not None
     assert rejected.error.code == REQUEST_ID_REUSED and "new request id" in rejected.error.message
-    # it names the request it answers, so the first request's waiter does not take it for its own
-    assert rejected.request_fingerprint == other.fingerprint != first.fingerprint
+    # it names the request it answers, so the first request's waiter does not take it for its own, and the
+    # scheduler's own feedback, reading it on the results topic, leaves the first request alone
+    assert rejected.request_fingerprint == other.fingerprint != first.fingerprint and rejected.answers_resend
+    ports.scheduler.handle_results([Msg(rejected.to_bytes(), 5, topic="results")])
+    assert ports.ledger.state("mine") == ("done" if first_finished else "dispatched")
+    assert ports.scheduler.stats.results == (1 if first_finished else 0)
     assert len(ports.dispatcher.orders) == 1
     if not first_finished:
         finished(ports, "mine")  # and the first's result, when it comes, answers only the first
@@ -109,6 +157,24 @@ def test_an_id_sent_again_asking_for_its_own_seed_is_not_answered_with_a_donors_
     assert "keep_seed" in rejected.error.message
 
 
+def test_an_id_sent_again_with_reuse_off_is_not_answered_with_a_reused_video(ports: Ports) -> None:
+    first = request(request_id="reused", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    finished(ports, "reused", reuse=ReuseKind.STAGE2, tokens_computed_fraction=0.5)
+    ports.scheduler.handle_requests([Msg(request(request_id="reused", seed=3, reuse="off").to_bytes(), 1)])
+    [rejected] = answers(ports)
+    assert rejected.error is not None and rejected.error.code == REQUEST_ID_REUSED
+
+
+def test_an_answer_from_a_worker_that_names_no_fingerprint_is_checked_against_the_order(ports: Ports) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="legacy", seed=3).to_bytes(), 0)])
+    ports.scheduler.handle_results([Msg(done("legacy").to_bytes(), 0, topic="results")])  # no fingerprint
+    other = request("a blue square moving up on a white background", request_id="legacy", seed=3)
+    ports.scheduler.handle_requests([Msg(other.to_bytes(), 1)])
+    [rejected] = answers(ports)
+    assert rejected.error is not None and rejected.error.code == REQUEST_ID_REUSED
+
+
 def test_an_exact_hit_sent_again_gets_its_answer_again(ports: Ports) -> None:
     ports.scheduler.handle_requests([Msg(request(request_id="orig", seed=7).to_bytes(), 0)])
     finished(ports, "orig")
@@ -116,8 +182,12 @@ def test_an_exact_hit_sent_again_gets_its_answer_again(ports: Ports) -> None:
     ports.scheduler.handle_requests([Msg(copy.to_bytes(), 1)])
     ports.scheduler.handle_requests([Msg(copy.to_bytes(), 2)])
     served, replay = answers(ports)
-    assert served.reuse is ReuseKind.EXACT and not served.replayed
-    assert replay.replayed and replay.served_from == "orig" and replay.request_fingerprint == copy.fingerprint
+    assert served.reuse is ReuseKind.EXACT and not served.answers_resend
+    assert (
+        replay.answers_resend
+        and replay.served_from == "orig"
+        and replay.request_fingerprint == copy.fingerprint
+    )
 
 
 def test_a_finished_request_whose_result_is_not_kept_is_answered_with_the_reason(ports: Ports) -> None:
@@ -128,6 +198,56 @@ def test_a_finished_request_whose_result_is_not_kept_is_answered_with_the_reason
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 4)])
     [rejected] = answers(ports)
     assert rejected.error is not None and rejected.error.code == RESULT_NOT_KEPT
+
+
+def test_copies_of_one_poll_read_again_after_a_failure_are_answered_once_each(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    twice = request(request_id="again-poll").to_bytes()
+    generate = ports.dispatcher.generate
+
+    def broker_down(order: Any) -> None:
+        raise ConnectionError("broker down")
+
+    monkeypatch.setattr(ports.dispatcher, "generate", broker_down)
+    assert ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)]).retry  # both read again
+    monkeypatch.setattr(ports.dispatcher, "generate", generate)
+    ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)])
+    finished(ports, "again-poll")
+    assert [r.answers_resend for r in answers(ports)] == [True]  # offset 11, once
+
+
+def test_a_resend_that_keeps_failing_is_dead_lettered_without_touching_its_request(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = request(request_id="poison", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+
+    def broken(key: str, value: str) -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(ports.ledger, "add_waiter", broken)
+    for _ in range(ports.scheduler.settings.max_attempts):
+        ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
+    [told] = answers(ports)
+    assert told.status is ResultStatus.REJECTED and told.answers_resend
+    assert told.request_fingerprint == first.fingerprint
+    ports.scheduler.handle_results([Msg(told.to_bytes(), 0, topic="results")])
+    assert ports.ledger.state("poison") == "dispatched" and ports.ledger.record("poison") is not None
+
+
+def test_a_claim_that_fails_never_releases_the_claim_of_an_earlier_message(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = request(request_id="held", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+
+    def lost_reply(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the ledger's reply was lost")
+
+    monkeypatch.setattr(ports.ledger, "begin", lost_reply)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
+    assert ports.ledger.state("held") == "dispatched"
 
 
 def test_a_ledger_failure_while_answering_retries_the_message_and_keeps_the_first_claim(
@@ -146,4 +266,4 @@ def test_a_ledger_failure_while_answering_retries_the_message_and_keeps_the_firs
     assert ports.ledger.state("kept") == "done"  # the first message's claim is not released
     monkeypatch.undo()
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 3)])
-    assert [r.replayed for r in answers(ports)] == [True]
+    assert [r.answers_resend for r in answers(ports)] == [True]

@@ -195,7 +195,7 @@ def test_the_results_table_says_what_each_video_is() -> None:
     done = {"status": ResultStatus.DONE, "steps_requested": 4, "video_uri": "s3://b/v"}
     results = {
         "r0": GenerationResult(request_id="r0", reuse=ReuseKind.STAGE1, seed_honoured=False, **done),
-        "r1": GenerationResult(request_id="r1", reuse=ReuseKind.EXACT, replayed=True, **done),
+        "r1": GenerationResult(request_id="r1", reuse=ReuseKind.EXACT, answers_resend=True, **done),
     }
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(_table(requests, results))

@@ -145,3 +145,33 @@ def test_generate_says_when_the_video_starts_from_another_seeds_donor(tmp_path):
     assert (summary["reuse"], summary["seed_honoured"]) == ("stage1", False)  # the donor was seed 0
     r = _reuse(tmp_path, "--seed", "2", "--no-verify")
     assert r.exit_code == 0 and "seed 2 (the donor's: another sample)" in " ".join(r.output.split())
+
+
+def test_generate_with_the_toy_model_prints_only_its_own_lines(tmp_path):
+    """A fresh process, as a user runs it: no transformers progress bar while MiniLM loads, no diffusers warning
+    about casting a float32 model to float32, no tokenizer warning for a prompt longer than BERT's positions."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    long_prompt = " ".join(["1 2 3 4 5 6 7 8 9 0"] * 95)  # > 512 tokens, < 2000 characters
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "chorus"),
+            "generate",
+            "-p",
+            long_prompt,
+            "-o",
+            str(tmp_path / "t.mp4"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "200"},
+    )
+    assert run.returncode == 0, run.stderr
+    said = run.stdout + run.stderr
+    for noise in ("Loading weights", "should be kept in float32", "Token indices sequence length"):
+        assert noise not in said, said
+    assert "prompt truncated" in said  # what the user does need to know

@@ -3,7 +3,8 @@
 ``account`` matches every result read from the results topic to the request it answers by ``(tenant,
 request_id)`` and every dead letter to the message it reports by ``(partition, offset)`` on the requests topic,
 and counts, for the valid requests: done, failed, rejected (by their first result, what a client sees), lost (no
-result of any kind), duplicated (more than one result for one ``(tenant, request_id)``), wrong_tenant (a result
+result of any kind), duplicated (more than one result for one ``(tenant, request_id)``; an answer to a message that
+sent the id again, ``answers_resend``, is not one), wrong_tenant (a result
 whose ``(tenant, request_id)`` matches none sent while its request id is another tenant's), shared_video (two
 requests answered with the same video); for the hostile messages: dead-lettered, dead-lettered with the field and
 rule they broke, answered ``rejected``, executed (answered ``done``: must never happen). ``judge`` turns a tally
@@ -49,6 +50,8 @@ class Received:
     donor: str | None = None  # the donor the scheduler planned
     fallback: str | None = None  # why the worker did not use it
     trajectory_uri: str | None = None
+    # An answer to a message that sent the id again (a producer's retry during a fault): not a second result.
+    answers_resend: bool = False
 
     @property
     def key(self) -> Key:
@@ -117,7 +120,7 @@ def account(
     ours = {s.request_id for s in sent if s.request_id is not None}
     by_key: dict[Key, list[Received]] = defaultdict(list)
     for r in sorted(results, key=lambda r: r.arrived_at):
-        if r.request_id in ours:
+        if r.request_id in ours and not r.answers_resend:
             by_key[r.key].append(r)
     tally = Tally(sent=len(sent))
     _count_valid(tally, [s for s in sent if s.valid], by_key)

@@ -116,6 +116,7 @@ def _received(data: dict[str, Any], now: float) -> Received | None:
         donor=str(donor.get("request_id")) if isinstance(donor, dict) else None,
         fallback=data.get("fallback") if isinstance(data.get("fallback"), str) else None,
         trajectory_uri=data.get("trajectory_uri") if isinstance(data.get("trajectory_uri"), str) else None,
+        answers_resend=data.get("answers_resend") is True,
     )
 
 

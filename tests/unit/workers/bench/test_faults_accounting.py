@@ -55,6 +55,12 @@ def test_each_valid_request_counts_once_by_its_first_result() -> None:
     assert [f["request"] for f in tally.failures] == ["acme/r2", "acme/r3"]
 
 
+def test_an_answer_to_a_message_that_sent_the_id_again_is_not_a_second_result() -> None:
+    copy = Received(tenant=A, request_id="r1", status="done", arrived_at=2.0, answers_resend=True)
+    tally = account([valid(A, "r1")], [got(A, "r1", "done", at=1.0), copy], [])
+    assert (tally.done, tally.duplicated) == (1, 0)
+
+
 def test_results_arriving_out_of_order_are_sorted_by_arrival() -> None:
     tally = account([valid(A, "r1")], [got(A, "r1", "done", at=5.0), got(A, "r1", "failed", at=2.0)], [])
     assert (tally.done, tally.failed, tally.duplicated) == (0, 1, 1)
