@@ -63,13 +63,16 @@ class DeadLetters:
         message: str,
         issues: list[FieldIssue],
         *,
-        resend: GenerationRequest | None = None,
-    ) -> None:
-        """Dead-letter ``m``. ``resend``: the message sent again the id of a request taken before; its sender is
-        told why (a result that answers the resend, never the request itself: see ``chorus_sched.resend``)."""
+        request: GenerationRequest | None = None,
+        claimed: bool = True,
+    ) -> GenerationResult | None:
+        """Dead-letter ``m``; returns the ``rejected`` result sent to its producer, if one was. ``request``: the
+        request it carries, when it parsed (the rejection names its ``answer_key``). ``claimed=False``: the request's
+        claim is not this message's (it sent again the id of a request taken before, or its claim could not be
+        made): its rejection answers this message alone (``answers_resend``), never the request taken before."""
         mark = f"dlq:{m.topic}:{m.partition}:{m.offset}"
         if self.ledger.is_marked(mark):
-            return
+            return None
         # Bounded: a 1 MB message must still fit in a dead letter the producer accepts.
         letter = DeadLetter.of_message(
             m.value,
@@ -81,7 +84,6 @@ class DeadLetters:
             offset=m.offset,
         )
         rid, tenant = salvage_identity(_named(m.value, m.key))
-        rejected_sent = False
         self.publish(
             self.settings.kafka_dead_letter_topic,
             rid or f"{m.topic}/{m.partition}/{m.offset}",
@@ -89,23 +91,24 @@ class DeadLetters:
         )
         # A producer waiting for this request id learns why it will get no video — unless the id belongs
         # to a request that was accepted before (a broken duplicate must not contradict the real one).
-        if resend is not None or (
-            rid is not None
-            and (code == "scheduling_failed" or self.ledger.state(job_id(tenant, rid)) is None)
+        rejected: GenerationResult | None = None
+        if request is not None:
+            rid, tenant = request.request_id, request.tenant
+        if rid is not None and (
+            not claimed or code == "scheduling_failed" or self.ledger.state(job_id(tenant, rid)) is None
         ):
             rejected = GenerationResult(
-                request_id=resend.request_id if resend is not None else rid or "",
-                tenant=resend.tenant if resend is not None else tenant,
+                request_id=rid,
+                tenant=tenant,
                 status=ResultStatus.REJECTED,
                 error=ErrorInfo(code=code, message=message[:2000]),
-                request_fingerprint=resend.fingerprint if resend is not None else None,
-                answers_resend=resend is not None,
+                request_key=request.answer_key if request is not None else None,
+                answers_resend=not claimed,
             )
-            self.publish(self.settings.kafka_results_topic, rejected.request_id, rejected.to_bytes())
-            rejected_sent = True
+            self.publish(self.settings.kafka_results_topic, rid, rejected.to_bytes())
         self.ledger.mark_once(mark)
         self.stats.dead_lettered += 1
-        METRICS.count_dead_letter(code, rejected=rejected_sent)
+        METRICS.count_dead_letter(code, rejected=rejected is not None)
         log.warning(
             "message dead-lettered",
             extra={
@@ -117,3 +120,4 @@ class DeadLetters:
                 "offset": m.offset,
             },
         )
+        return rejected

@@ -166,7 +166,7 @@ class ExactHits:
             seed_honoured=source.seed_honoured,
             prompt_tokens_used=source.prompt_tokens_used,
             prompt_truncated=source.prompt_truncated,
-            request_fingerprint=request.fingerprint,
+            request_key=request.answer_key,
         )
         self.publish(self.settings.kafka_results_topic, request.request_id, answer.to_bytes())
         if self.resends is not None:

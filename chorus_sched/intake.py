@@ -123,7 +123,7 @@ class Intake:
             except Exception as exc:
                 # Not ours to release: the claim may belong to an earlier message with this id (and one this call
                 # did take is our own lease, resumed when the message is read again).
-                self._failed(m, progress, exc, None)
+                self._failed(m, progress, exc, request, claimed=False)
                 continue
             # A second copy within this poll finds our own fresh lease ("resumed"): it is a new message too.
             if request.job_id in in_batch or claim.resent_by(origin):
@@ -178,7 +178,7 @@ class Intake:
         try:
             self.resends.answer(request, state, origin=f"{m.topic}:{m.partition}:{m.offset}")
         except Exception as exc:
-            self._failed(m, progress, exc, request, resent=True)
+            self._failed(m, progress, exc, request, claimed=False)
 
     def _answered_exactly(self, m: Message, request: GenerationRequest, progress: Progress) -> bool:
         """True if an identical request's result answers this one (now, or when that one finishes)."""
@@ -279,11 +279,12 @@ class Intake:
         exc: BaseException,
         request: GenerationRequest | None,
         *,
-        resent: bool = False,
+        claimed: bool = True,
     ) -> None:
         """A message could not be scheduled: retry it (transient), or dead-letter it after max_attempts.
-        ``resent``: it sent again the id of a request taken before, whose claim and state are not this message's."""
-        if request is not None and not resent:
+        ``claimed=False``: the request's claim is not (known to be) this message's — it sent again the id of a
+        request taken before, or claiming failed — so neither its claim nor its state is this message's to change."""
+        if request is not None and claimed:
             try:
                 self.ledger.release(request.job_id)
             except Exception as release_exc:  # the lease expires by itself
@@ -309,17 +310,20 @@ class Intake:
             return
         del self._attempts[key]
         try:
-            self.dead_letters.send(
+            rejected = self.dead_letters.send(
                 m,
                 "scheduling_failed",
                 f"scheduling failed {attempts} times: {exc!r}",
                 [],
-                resend=request if resent else None,
+                request=request,
+                claimed=claimed,
             )
-            if request is not None and not resent:
+            if request is not None and claimed:
                 self.ledger.set_state(
                     request.job_id, RequestState.DEAD_LETTERED, origin=f"{m.topic}:{m.partition}:{m.offset}"
                 )
+                if rejected is not None:  # copies of it that wait are answered by its answer
+                    self.resends.answer_waiting(rejected)
         except Exception as dl_exc:
             log.warning("could not dead-letter; will retry", extra={"error": repr(dl_exc)})
             progress.failed(m)

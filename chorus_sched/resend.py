@@ -8,16 +8,16 @@ kinds of duplicate apart by where the request was claimed from (``Claim.resent_b
 - a new message with the id (a client that timed out and resends, a batch sent twice, a producer retry): answered
   here, with ``answers_resend`` set (the scheduler's feedback takes such results for nothing new). The request has
   its answer: a copy of it goes out, nothing computed. It is in flight: the message waits under the job id, and
-  the request's result answers it when it comes (the first answer may have gone out just before the sender
-  started to follow the topic). A request that ended without a video is not a resend: the ledger claims it
-  afresh (``Claim`` outcome ``retry``), and the answer kept for it is forgotten.
+  the request's answer — its result, or its dead letter's rejection — answers it when it comes (the first answer
+  may have gone out just before the sender started to follow the topic). A request that ended without a video is
+  not a resend: the ledger claims it afresh (``Claim`` outcome ``retry``), and the answer kept for it is forgotten.
 
-A new message whose request the answer does not fit is ``rejected`` with ``request_id_reused``, and the first
-request and its result are untouched: another prompt, seed, shape… (another ``GenerationRequest.fingerprint``),
-``reuse: off`` where the video reused work, or ``keep_seed`` where it started from a donor of another seed. Results
-name the fingerprint they answer (``request_fingerprint``), so a client waiting on its request
-(``ResultWatcher.wait``) takes its own answer and not the other's. Answers are kept for the ledger's TTL, as long as
-the claim that recognises the id.
+A new message that asks for another answer under the id — another prompt, seed, shape…, or other terms
+(``reuse``, ``keep_seed``): another ``GenerationRequest.answer_key`` — is ``rejected`` with ``request_id_reused``,
+and the first request and its result are untouched. Results name the key they answer (``request_key``), so a
+client waiting on its request (``ResultWatcher.wait``) takes its own answer and not the other's. Each message is
+answered once (a ledger mark per message: a resend read again is not answered again). Answers are kept for the
+ledger's TTL, as long as the claim that recognises the id.
 """
 
 from __future__ import annotations
@@ -31,19 +31,11 @@ from chorus_sched.batch import Publisher
 from chorus_sched.ledger import Ledger, RequestState
 from chorus_sched.metrics import METRICS, ResendOutcome
 from chorus_sched.settings import SchedulerSettings
-from producer.contract import (
-    ErrorInfo,
-    GenerationRequest,
-    GenerationResult,
-    ResultStatus,
-    ReuseKind,
-    ReusePolicy,
-)
+from producer.contract import REQUEST_ID_REUSED, ErrorInfo, GenerationRequest, GenerationResult, ResultStatus
 from producer.orders import WorkOrder
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_REUSED = "request_id_reused"
 RESULT_NOT_KEPT = "result_not_kept"
 
 
@@ -53,6 +45,10 @@ def _kept_key(job: str) -> str:
 
 def _waiting_key(job: str) -> str:
     return f"resent:{job}"
+
+
+def _answered_mark(origin: str) -> str:
+    return f"resent-answered:{origin}"
 
 
 class Resends:
@@ -67,27 +63,31 @@ class Resends:
     def answer(self, request: GenerationRequest, state: RequestState | None, *, origin: str) -> None:
         """Answer the message at ``origin`` that sent again the id of a request taken before (in ``state``)."""
         job = request.job_id
+        if self.ledger.is_marked(_answered_mark(origin)):
+            log.info("resent message read again; answered before", extra={"request_id": request.request_id})
+            return
         kept = self._kept(job)
         if kept is not None:
-            self._respond(request, kept)
+            self._respond(request, kept, origin)
             return
         if state is RequestState.DONE:
             # Answered before answers were kept, or its answer expired before its claim: say so, never hang.
-            self._reject(
-                request,
-                RESULT_NOT_KEPT,
+            message = (
                 f"request id {request.request_id!r} was answered earlier and its result is no longer kept; "
-                "send it with a new request id",
+                "send it with a new request id"
             )
+            self._reject(request, RESULT_NOT_KEPT, message, origin)
             return
         first = self._dispatched(job)
-        if first is not None and first.fingerprint != request.fingerprint:
-            self._reject(request, REQUEST_ID_REUSED, _reused_message(request))  # at once, not after its run
+        if first is not None and first.answer_key != request.answer_key:
+            self._reject(
+                request, REQUEST_ID_REUSED, _reused_message(request), origin
+            )  # now, not after its run
             return
         waiting = json.dumps({"origin": origin, "request": request.model_dump(mode="json")})
         self.ledger.add_waiter(_waiting_key(job), waiting)
         log.info(
-            "request id sent again while its request runs; its result will answer this message too",
+            "request id sent again while its request runs; its answer will answer this message too",
             extra={"request_id": request.request_id, "tenant": request.tenant, "state": state},
         )
         # The answer may have been kept between the look and the push, its waiting list taken empty: look again
@@ -100,7 +100,7 @@ class Resends:
         """The request is claimed afresh (it ended without a video and was sent again): its old answer is void."""
         self.ledger.delete_value(_kept_key(job))
 
-    # --- results ---------------------------------------------------------------------------------------------
+    # --- answers ---------------------------------------------------------------------------------------------
     def keep(self, result: GenerationResult) -> None:
         """Keep the answer of a request this deployment took, before its state says it ended."""
         if not result.answers_resend:
@@ -109,23 +109,21 @@ class Resends:
     def answer_waiting(self, result: GenerationResult) -> None:
         """Answer the messages that sent the request's id again while it ran (each message once)."""
         waiting = self.ledger.take_waiters(_waiting_key(result.job_id))
-        answered: set[str] = set()  # a poll read again after a failure pushes its copies again
         for i, raw in enumerate(waiting):
             try:
                 entry = json.loads(raw)
-                origin, request = entry["origin"], GenerationRequest.model_validate(entry["request"])
+                origin, request = str(entry["origin"]), GenerationRequest.model_validate(entry["request"])
             except (ValueError, KeyError, TypeError, ValidationError) as exc:
                 log.error("unreadable resend entry dropped", extra={"job": result.job_id, "error": repr(exc)})
                 continue
-            if origin in answered:
-                continue
+            if self.ledger.is_marked(_answered_mark(origin)):
+                continue  # a poll read again after a failure pushed its copies again
             try:
-                self._respond(request, result)
+                self._respond(request, result, origin)
             except Exception:
                 for left in waiting[i:]:  # answered when the result is handled again
                     self.ledger.add_waiter(_waiting_key(result.job_id), left)
                 raise
-            answered.add(origin)
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _kept(self, job: str) -> GenerationResult | None:
@@ -138,50 +136,34 @@ class Resends:
             return None
         return WorkOrder.model_validate_json(record.order).request
 
-    def _respond(self, request: GenerationRequest, result: GenerationResult) -> None:
-        """Send ``request``'s sender a copy of ``result``, or why it does not answer that request."""
-        first = result.request_fingerprint
+    def _respond(self, request: GenerationRequest, result: GenerationResult, origin: str) -> None:
+        """Send the message at ``origin`` a copy of ``result``, or why it does not answer its request."""
+        first = result.request_key
         if first is None and (dispatched := self._dispatched(request.job_id)) is not None:
-            first = dispatched.fingerprint  # a worker too old to name it
-        if first is not None and first != request.fingerprint:
-            self._reject(request, REQUEST_ID_REUSED, _reused_message(request))
-        elif request.reuse is ReusePolicy.OFF and result.reuse is not ReuseKind.NONE:
-            self._reject(
-                request,
-                REQUEST_ID_REUSED,
-                f"request id {request.request_id!r} was answered with a video that reused work (reuse: "
-                f"{result.reuse}); to get one computed without reuse, send it with a new request id",
-            )
-        elif request.keep_seed and not result.seed_honoured:
-            self._reject(
-                request,
-                REQUEST_ID_REUSED,
-                f"request id {request.request_id!r} was answered with a video started from a donor of another "
-                "seed; to get this seed's own sample (keep_seed), send it with a new request id",
-            )
-        else:
-            copy = result.model_copy(update={"answers_resend": True})
-            self.publish(self.settings.kafka_results_topic, request.request_id, copy.to_bytes())
-            METRICS.resent.labels(outcome=ResendOutcome.REPLAYED).inc()
-            log.info(
-                "request id sent again; answered with its earlier result",
-                extra={
-                    "request_id": request.request_id,
-                    "tenant": request.tenant,
-                    "status": str(result.status),
-                },
-            )
+            first = dispatched.answer_key  # a worker too old to name it
+        if first is not None and first != request.answer_key:
+            self._reject(request, REQUEST_ID_REUSED, _reused_message(request), origin)
+            return
+        copy = result.model_copy(update={"answers_resend": True})
+        self.publish(self.settings.kafka_results_topic, request.request_id, copy.to_bytes())
+        self.ledger.mark_once(_answered_mark(origin))
+        METRICS.resent.labels(outcome=ResendOutcome.REPLAYED).inc()
+        log.info(
+            "request id sent again; answered with its earlier result",
+            extra={"request_id": request.request_id, "tenant": request.tenant, "status": str(result.status)},
+        )
 
-    def _reject(self, request: GenerationRequest, code: str, message: str) -> None:
+    def _reject(self, request: GenerationRequest, code: str, message: str, origin: str) -> None:
         rejected = GenerationResult(
             request_id=request.request_id,
             tenant=request.tenant,
             status=ResultStatus.REJECTED,
             error=ErrorInfo(code=code, message=message),
-            request_fingerprint=request.fingerprint,
+            request_key=request.answer_key,
             answers_resend=True,
         )
         self.publish(self.settings.kafka_results_topic, request.request_id, rejected.to_bytes())
+        self.ledger.mark_once(_answered_mark(origin))
         METRICS.resent.labels(outcome=ResendOutcome.REJECTED).inc()
         log.warning(
             "request id sent again; rejected",
@@ -196,6 +178,6 @@ class Resends:
 
 def _reused_message(request: GenerationRequest) -> str:
     return (
-        f"request id {request.request_id!r} was already used for another request (its prompt, seed, shape or "
-        "settings differ); the first keeps its result: send this one with a new request id"
+        f"request id {request.request_id!r} was already used for another request (its prompt, seed, shape, "
+        "settings, reuse or keep_seed differ); the first keeps its result: send this one with a new request id"
     )

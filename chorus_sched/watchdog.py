@@ -146,7 +146,7 @@ class OrderWatchdog:
             tenant=order.request.tenant,
             status=ResultStatus.REJECTED,
             error=ErrorInfo(code=NO_WORKER, message=message),
-            request_fingerprint=order.request.fingerprint,
+            request_key=order.request.answer_key,
         )
         self.publish(self.settings.kafka_results_topic, order.request.request_id, rejected.to_bytes())
         self.ledger.set_state(record.request_id, RequestState.FAILED)
@@ -188,7 +188,7 @@ class OrderWatchdog:
             status=ResultStatus.FAILED,
             error=ErrorInfo(code="worker_lost", message=message),
             steps_requested=order.request.num_steps,
-            request_fingerprint=order.request.fingerprint,
+            request_key=order.request.answer_key,
         )
         self.dispatcher.mark_answered(record.request_id)  # copies still queued must not answer it again
         self.publish(self.settings.kafka_results_topic, order.request.request_id, failed.to_bytes())

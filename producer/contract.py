@@ -108,6 +108,9 @@ class ContractError(ValueError):
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False)
 
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
 
 class GenerationRequest(_Wire):
     """One text-to-video request. Omitted shape/steps/guidance fields take the model's defaults."""
@@ -197,8 +200,10 @@ class GenerationRequest(_Wire):
         )
         return hashlib.sha256(canonical.encode()).hexdigest()
 
-    def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
+    @property
+    def answer_key(self) -> str:
+        """The fingerprint and the terms an answer honours (``reuse``, ``keep_seed``): results name it."""
+        return hashlib.sha256(f"{self.fingerprint}:{self.reuse}:{self.keep_seed}".encode()).hexdigest()
 
 
 # Bumped whenever what makes two requests' videos identical changes (e.g. new weights under a model's name), so
@@ -293,6 +298,9 @@ class ResultStatus(StrEnum):
     REJECTED = "rejected"
 
 
+REQUEST_ID_REUSED = "request_id_reused"  # a request id sent again for another request (chorus_sched.resend)
+
+
 class ErrorInfo(_Wire):
     code: str
     message: str
@@ -383,10 +391,11 @@ class GenerationResult(_Wire):
         description="True when the prompt was longer than the model's text token budget and its end was cut",
     )
     verification: VerificationReport | None = Field(default=None, description="the donor check, if one ran")
-    # The fingerprint of the request answered (None: unknown): two requests sent under one id get told apart.
-    request_fingerprint: str | None = None
+    # The answer_key of the request answered (None: not known): two requests sent under one id get told apart.
+    request_key: str | None = None
     answers_resend: bool = Field(
-        default=False, description="answers a message that sent the id again: nothing new about the request"
+        default=False,
+        description="answers one message (its id sent again), not the request's run: nothing new",
     )
 
     @property
@@ -401,9 +410,6 @@ class GenerationResult(_Wire):
     @property
     def job_id(self) -> str:
         return job_id(self.tenant, self.request_id)
-
-    def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
 
 
 class DeadLetter(_Wire):
@@ -470,9 +476,6 @@ class DeadLetter(_Wire):
 
     def raw(self) -> bytes:
         return base64.b64decode(self.raw_b64)
-
-    def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
 
 
 def issues_from_validation(exc: ValidationError) -> list[FieldIssue]:

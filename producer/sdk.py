@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from producer import bus
 from producer.contract import (
+    REQUEST_ID_REUSED,
     ContractError,
     FieldIssue,
     GenerationRequest,
@@ -229,25 +230,26 @@ class ChorusClient:
             self._producer = None
 
 
-# What a wait asks for: (tenant or None for any, request id, the request's fingerprint or None for any content).
+# What a wait asks for: (tenant or None for any, request id, the request's answer_key or None for any request).
 _Want = tuple[str | None, str, str | None]
 
 
 def _want(request: str | GenerationRequest) -> _Want:
     if isinstance(request, GenerationRequest):
-        return (request.tenant, request.request_id, request.fingerprint)
+        return (request.tenant, request.request_id, request.answer_key)
     return (None, request, None)
 
 
 def _answers(result: GenerationResult, want: _Want) -> bool:
     """Whether ``result`` answers ``want``: same id, same tenant if given, and — where both name one — the same
-    request content (a request id sent again for another request is answered separately)."""
-    tenant, request_id, fingerprint = want
-    return (
-        result.request_id == request_id
-        and (tenant is None or result.tenant == tenant)
-        and (fingerprint is None or result.request_fingerprint in (None, fingerprint))
-    )
+    request (a request id sent again for another request is answered separately). A bare id never takes the
+    rejection of another request sent under it."""
+    tenant, request_id, key = want
+    if result.request_id != request_id or (tenant is not None and result.tenant != tenant):
+        return False
+    if key is None:
+        return not (result.error is not None and result.error.code == REQUEST_ID_REUSED)
+    return result.request_key in (None, key)
 
 
 class ResultWatcher:
@@ -272,7 +274,7 @@ class ResultWatcher:
         """Yield the first result of each request as it arrives, until all arrived or ``timeout_s`` passed.
 
         Give the requests themselves: a result then matches on tenant, id and content (its
-        ``request_fingerprint``), so neither another tenant's request that used the same id nor another request
+        ``request_key``), so neither another tenant's request that used the same id nor another request
         sent under your id is taken for yours. A bare id matches that id in any tenant. Results that arrived
         earlier (while waiting for other requests) are yielded first.
         """
@@ -319,9 +321,7 @@ class ResultWatcher:
     def _first_of_its_kind(self, result: GenerationResult) -> bool:
         """Record ``result`` unless an answer to the same request was seen before (a replay, a redelivery)."""
         seen = self.received.setdefault(result.request_id, [])
-        if any(
-            r.tenant == result.tenant and r.request_fingerprint == result.request_fingerprint for r in seen
-        ):
+        if any(r.tenant == result.tenant and r.request_key == result.request_key for r in seen):
             return False
         seen.append(result)
         return True

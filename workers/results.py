@@ -132,7 +132,7 @@ def done_result(
         worker=worker,
         reuse=reuse,
         seed_honoured=seed_honoured(reuse, donor_seed=donor_seed, seed=request.seed),
-        request_fingerprint=request.fingerprint,
+        request_key=request.answer_key,
         prompt_tokens_used=prompt_tokens_used,
         prompt_truncated=prompt_truncated,
         verification=verification,
@@ -160,7 +160,7 @@ def failed_result(
         steps_requested=request.num_steps if request is not None else 0,
         timings=timings or PhaseTimings(),
         worker=worker,
-        request_fingerprint=request.fingerprint if request is not None else None,
+        request_key=request.answer_key if request is not None else None,
     )
 
 

@@ -256,9 +256,9 @@ def test_a_request_id_sent_again_for_another_request_is_rejected_and_each_waiter
     with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
         client.submit(mine)
         client.submit(theirs)
-        got = {r.request_fingerprint: r for r in watcher.wait([mine, theirs], timeout_s=WAIT_S)}
-    assert got[mine.fingerprint].status is ResultStatus.DONE, got[mine.fingerprint].error
-    rejected = got[theirs.fingerprint]
+        got = {r.request_key: r for r in watcher.wait([mine, theirs], timeout_s=WAIT_S)}
+    assert got[mine.answer_key].status is ResultStatus.DONE, got[mine.answer_key].error
+    rejected = got[theirs.answer_key]
     assert rejected.status is ResultStatus.REJECTED and rejected.error is not None
     assert rejected.error.code == "request_id_reused"
     stack.wait_idle(timeout_s=WAIT_S)

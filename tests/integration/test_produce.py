@@ -235,14 +235,14 @@ def test_the_watcher_tells_apart_two_requests_sent_under_one_id_by_their_content
         tenant="t",
         status=ResultStatus.REJECTED,
         error=ErrorInfo(code="request_id_reused", message="send it with a new id"),
-        request_fingerprint=second.fingerprint,
+        request_key=second.answer_key,
     )
     video = GenerationResult(
         request_id="one-id",
         tenant="t",
         status=ResultStatus.DONE,
         video_uri="s3://x/first.mp4",
-        request_fingerprint=first.fingerprint,
+        request_key=first.answer_key,
     )
     producer = bus.make_producer(kafka_settings)
     with ResultWatcher(kafka_settings) as watcher:
@@ -254,4 +254,10 @@ def test_the_watcher_tells_apart_two_requests_sent_under_one_id_by_their_content
         assert answer.error is not None and answer.error.code == "request_id_reused"
         assert list(watcher.wait(["not-sent"], timeout_s=2)) == []  # reads the rest of the topic
         assert len(watcher.received["one-id"]) == 2
+        # a bare id knows no request: it never takes the rejection of another request sent under it
+        assert [r.video_uri for r in watcher.wait(["one-id"], timeout_s=5)] == ["s3://x/first.mp4"]
+        # the same prompt asking for its own seed is another request: it is not answered with the first's video
+        strict = build_request(prompt="a blue square", request_id="one-id", tenant="t", keep_seed=True)
+        assert strict.fingerprint == first.fingerprint and strict.answer_key != first.answer_key
+        assert list(watcher.wait([strict], timeout_s=2)) == []
     producer.close(timeout=10)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from chorus_sched.resend import REQUEST_ID_REUSED, RESULT_NOT_KEPT
-from producer.contract import ErrorInfo, GenerationResult, ResultStatus, ReuseKind
+from chorus_sched.resend import RESULT_NOT_KEPT
+from producer.contract import REQUEST_ID_REUSED, ErrorInfo, GenerationResult, ResultStatus, ReuseKind
 from tests.helpers.scheduler_fakes import Msg, Ports, done, make_ports, request
 
 
@@ -29,7 +29,7 @@ def answers(ports: Ports) -> list[GenerationResult]:
 def finished(ports: Ports, rid: str, **fields: Any) -> GenerationResult:
     """Feed the worker's result of ``rid`` (it names the fingerprint of the request dispatched)."""
     [order] = [o for o in ports.dispatcher.orders if o.request.request_id == rid]
-    result = done(rid, request_fingerprint=order.request.fingerprint, **fields)
+    result = done(rid, request_key=order.request.answer_key, **fields)
     ports.scheduler.handle_results([Msg(result.to_bytes(), 0, topic="results")])
     return result
 
@@ -75,7 +75,7 @@ def test_a_failure_answers_the_waiting_message_too_and_a_new_attempt_does_not_re
         request_id="flaky",
         status=ResultStatus.FAILED,
         error=ErrorInfo(code="engine_error", message="boom"),
-        request_fingerprint=order.request.fingerprint,
+        request_key=order.request.answer_key,
     )
     ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
     [told] = answers(ports)
@@ -96,9 +96,7 @@ def test_an_answer_kept_just_before_the_message_waits_still_answers_it(
 
     def result_lands_first(key: str, value: str) -> None:
         # another instance's feedback keeps the answer and takes the (still empty) waiting list
-        failed = GenerationResult(
-            request_id="race", status=ResultStatus.FAILED, request_fingerprint=first.fingerprint
-        )
+        failed = GenerationResult(request_id="race", status=ResultStatus.FAILED, request_key=first.answer_key)
         ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
         add_waiter(key, value)
 
@@ -133,7 +131,7 @@ def test_an_id_sent_again_for_another_request_is_rejected_and_the_first_keeps_it
     assert rejected.error.code == REQUEST_ID_REUSED and "new request id" in rejected.error.message
     # it names the request it answers, so the first request's waiter does not take it for its own, and the
     # scheduler's own feedback, reading it on the results topic, leaves the first request alone
-    assert rejected.request_fingerprint == other.fingerprint != first.fingerprint and rejected.answers_resend
+    assert rejected.request_key == other.answer_key != first.answer_key and rejected.answers_resend
     ports.scheduler.handle_results([Msg(rejected.to_bytes(), 5, topic="results")])
     assert ports.ledger.state("mine") == ("done" if first_finished else "dispatched")
     assert ports.scheduler.stats.results == (1 if first_finished else 0)
@@ -183,11 +181,7 @@ def test_an_exact_hit_sent_again_gets_its_answer_again(ports: Ports) -> None:
     ports.scheduler.handle_requests([Msg(copy.to_bytes(), 2)])
     served, replay = answers(ports)
     assert served.reuse is ReuseKind.EXACT and not served.answers_resend
-    assert (
-        replay.answers_resend
-        and replay.served_from == "orig"
-        and replay.request_fingerprint == copy.fingerprint
-    )
+    assert replay.answers_resend and replay.served_from == "orig" and replay.request_key == copy.answer_key
 
 
 def test_a_finished_request_whose_result_is_not_kept_is_answered_with_the_reason(ports: Ports) -> None:
@@ -231,7 +225,7 @@ def test_a_resend_that_keeps_failing_is_dead_lettered_without_touching_its_reque
         ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
     [told] = answers(ports)
     assert told.status is ResultStatus.REJECTED and told.answers_resend
-    assert told.request_fingerprint == first.fingerprint
+    assert told.request_key == first.answer_key
     ports.scheduler.handle_results([Msg(told.to_bytes(), 0, topic="results")])
     assert ports.ledger.state("poison") == "dispatched" and ports.ledger.record("poison") is not None
 
@@ -267,3 +261,55 @@ def test_a_ledger_failure_while_answering_retries_the_message_and_keeps_the_firs
     monkeypatch.undo()
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 3)])
     assert [r.answers_resend for r in answers(ports)] == [True]
+
+
+def test_a_resent_message_read_again_is_not_answered_again(ports: Ports) -> None:
+    from prometheus_client import REGISTRY
+
+    def replayed() -> float:
+        return REGISTRY.get_sample_value("chorus_requests_resent_total", {"outcome": "replayed"}) or 0.0
+
+    first = request(request_id="once", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    finished(ports, "once")
+    before = replayed()
+    for _ in range(3):  # the resend, then the same message read again (a rewind, a redelivery)
+        ports.scheduler.handle_requests([Msg(first.to_bytes(), 7)])
+    assert len(answers(ports)) == 1 and replayed() == before + 1
+
+
+def test_a_claim_that_keeps_failing_is_dead_lettered_as_that_messages_answer_alone(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = request(request_id="readonly", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("READONLY You can't write against a read only replica")
+
+    monkeypatch.setattr(ports.ledger, "begin", read_only)
+    for _ in range(ports.scheduler.settings.max_attempts):
+        ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
+    [told] = answers(ports)
+    assert (
+        told.status is ResultStatus.REJECTED and told.answers_resend and told.request_key == first.answer_key
+    )
+    ports.scheduler.handle_results([Msg(told.to_bytes(), 0, topic="results")])
+    assert ports.ledger.state("readonly") == "dispatched"
+
+
+def test_copies_waiting_on_a_request_that_is_dead_lettered_are_told_why(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    twice = request(request_id="doomed").to_bytes()
+
+    def broken(order: Any) -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(ports.dispatcher, "generate", broken)
+    for _ in range(ports.scheduler.settings.max_attempts):
+        ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)])
+    own, copy = answers(ports)
+    assert own.status is copy.status is ResultStatus.REJECTED
+    assert not own.answers_resend and copy.answers_resend and own.error == copy.error
+    assert ports.ledger.waiters.get("resent:doomed", []) == []
