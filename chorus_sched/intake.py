@@ -39,7 +39,13 @@ from chorus_sched.metrics import METRICS
 from chorus_sched.planner import Planner
 from chorus_sched.resend import Resends
 from chorus_sched.settings import SchedulerSettings
-from producer.contract import ContractError, GenerationRequest, ReusePolicy, parse_keyed_request
+from producer.contract import (
+    ContractError,
+    GenerationRequest,
+    GenerationResult,
+    ReusePolicy,
+    parse_keyed_request,
+)
 from producer.orders import DonorRef, Role, WorkOrder, trajectory_prefix
 
 log = logging.getLogger(__name__)
@@ -154,7 +160,6 @@ class Intake:
                     # Its new order reuses the task id: the ended one's marks would make a worker skip it.
                     try:
                         self.dispatcher.forget(request.job_id)
-                        self.resends.forget(request.job_id)
                     except Exception as exc:
                         self._failed(m, progress, exc, request)
                         continue
@@ -166,6 +171,13 @@ class Intake:
                             "was": claim.state,
                         },
                     )
+                try:
+                    # An answer kept for an earlier claim of the id (one that ended without a video) is void; the
+                    # claim may have been released since, so this is done for every claim, not only a retry's.
+                    self.resends.forget(request.job_id)
+                except Exception as exc:
+                    self._failed(m, progress, exc, request)
+                    continue
                 in_batch.add(request.job_id)
                 if self._answered_exactly(m, request, progress):
                     continue
@@ -323,10 +335,20 @@ class Intake:
                     request.job_id, RequestState.DEAD_LETTERED, origin=f"{m.topic}:{m.partition}:{m.offset}"
                 )
                 if rejected is not None:  # copies of it that wait are answered by its answer
-                    self.resends.answer_waiting(rejected)
+                    self._tell_waiting(rejected)
         except Exception as dl_exc:
             log.warning("could not dead-letter; will retry", extra={"error": repr(dl_exc)})
             progress.failed(m)
+
+    def _tell_waiting(self, rejected: GenerationResult) -> None:
+        # The message is dead-lettered either way: a failure here must not send it round again.
+        try:
+            self.resends.answer_waiting(rejected)
+        except Exception as exc:
+            log.error(
+                "copies of a dead-lettered request could not be told; they are answered when the id is sent again",
+                extra={"request_id": rejected.request_id, "error": repr(exc)},
+            )
 
     def _embed_requests(self, requests: Sequence[GenerationRequest]) -> dict[str, list[float]]:
         wanted = [r for r in requests if r.reuse is ReusePolicy.AUTO]

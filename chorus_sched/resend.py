@@ -16,8 +16,9 @@ A new message that asks for another answer under the id — another prompt, seed
 (``reuse``, ``keep_seed``): another ``GenerationRequest.answer_key`` — is ``rejected`` with ``request_id_reused``,
 and the first request and its result are untouched. Results name the key they answer (``request_key``), so a
 client waiting on its request (``ResultWatcher.wait``) takes its own answer and not the other's. Each message is
-answered once (a ledger mark per message: a resend read again is not answered again). Answers are kept for the
-ledger's TTL, as long as the claim that recognises the id.
+answered once (a ledger mark per message, set after its answer is sent: a resend read again is not answered
+again; two instances racing on one waiting message may both answer it). Answers are kept for the ledger's TTL, as
+long as the claim that recognises the id.
 """
 
 from __future__ import annotations
@@ -70,10 +71,11 @@ class Resends:
         if kept is not None:
             self._respond(request, kept, origin)
             return
-        if state is RequestState.DONE:
-            # Answered before answers were kept, or its answer expired before its claim: say so, never hang.
+        if state in (RequestState.DONE, RequestState.EVICTED):
+            # Answered before answers were kept, or its answer expired before its claim (an eviction renews the
+            # claim): say so, never hang. (A running leader evicted before it finished is told so too.)
             message = (
-                f"request id {request.request_id!r} was answered earlier and its result is no longer kept; "
+                f"request id {request.request_id!r} was taken earlier and no answer is kept for it; "
                 "send it with a new request id"
             )
             self._reject(request, RESULT_NOT_KEPT, message, origin)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from chorus_sched.ledger import RequestState
 from chorus_sched.resend import RESULT_NOT_KEPT
 from producer.contract import REQUEST_ID_REUSED, ErrorInfo, GenerationResult, ResultStatus, ReuseKind
 from tests.helpers.scheduler_fakes import Msg, Ports, done, make_ports, request
@@ -313,3 +314,56 @@ def test_copies_waiting_on_a_request_that_is_dead_lettered_are_told_why(
     assert own.status is copy.status is ResultStatus.REJECTED
     assert not own.answers_resend and copy.answers_resend and own.error == copy.error
     assert ports.ledger.waiters.get("resent:doomed", []) == []
+
+
+def test_a_finished_request_whose_entry_was_evicted_and_answer_expired_is_answered_with_the_reason(
+    ports: Ports,
+) -> None:
+    first = request(request_id="evicted", seed=1)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    finished(ports, "evicted")
+    ports.ledger.set_state("evicted", RequestState.EVICTED)  # the cache evicted its donor entry since
+    ports.ledger.values.pop("result:evicted")  # and its answer expired before the claim the eviction renewed
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 4)])
+    [told] = answers(ports)
+    assert told.error is not None and told.error.code == RESULT_NOT_KEPT
+    assert ports.ledger.waiters.get("resent:evicted", []) == []
+
+
+def test_an_old_answer_is_forgotten_even_when_the_retry_that_should_forget_it_failed(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = request(request_id="stale", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    failed = GenerationResult(request_id="stale", status=ResultStatus.FAILED, request_key=first.answer_key)
+    ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
+    forget = ports.dispatcher.forget
+    calls = []
+
+    def fails_once(task_id: str) -> None:
+        calls.append(task_id)
+        if len(calls) == 1:
+            raise ValueError("a bug")
+        forget(task_id)
+
+    monkeypatch.setattr(ports.dispatcher, "forget", fails_once)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])  # a retry whose forgetting fails: released
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])  # read again: a new claim, run afresh
+    assert ports.ledger.state("stale") == "dispatched"
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 2)])  # a copy waits for the new run's answer
+    assert answers(ports) == []
+
+
+def test_copies_that_cannot_be_told_do_not_send_the_dead_letter_round_again(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    twice = request(request_id="untold").to_bytes()
+
+    def broken(*args: Any) -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(ports.dispatcher, "generate", broken)
+    monkeypatch.setattr(ports.scheduler.intake.resends, "answer_waiting", broken)
+    for _ in range(ports.scheduler.settings.max_attempts):
+        outcome = ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)])
+    assert not outcome.retry and ports.ledger.state("untold") == "dead_lettered"
