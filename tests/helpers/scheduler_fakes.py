@@ -251,6 +251,13 @@ class Ports:
     def on(self, topic: str) -> list[bytes]:
         return [value for t, _, value in self.published if t == topic]
 
+    def results(self) -> list[GenerationResult]:
+        """The results the scheduler published itself (exact hits, rejections, answers to resent ids)."""
+        return [
+            GenerationResult.model_validate_json(v)
+            for v in self.on(self.scheduler.settings.kafka_results_topic)
+        ]
+
 
 def make_ports(tmp_path: Any, planner: Planner | None = None) -> Ports:
     """A Scheduler wired to fresh fakes (and the packaged calibration unless ``planner``), and the fakes."""

@@ -24,13 +24,6 @@ def ports(tmp_path: Any) -> Ports:
 # --- exact hits ------------------------------------------------------------------------------------------------
 
 
-def results_on(ports: Ports) -> list[GenerationResult]:
-    return [
-        GenerationResult.model_validate_json(v)
-        for v in ports.on(ports.scheduler.settings.kafka_results_topic)
-    ]
-
-
 def test_an_identical_request_is_answered_from_the_stored_result_with_no_worker(ports: Ports) -> None:
     first = request(request_id="orig", seed=7)
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
@@ -39,7 +32,7 @@ def test_an_identical_request_is_answered_from_the_stored_result_with_no_worker(
     ports.scheduler.handle_requests([Msg(again.to_bytes(), 1)])
 
     assert [o.request.request_id for o in ports.dispatcher.orders] == ["orig"]  # no second order
-    [answer] = results_on(ports)
+    [answer] = ports.results()
     assert answer.request_id == "again" and answer.status is ResultStatus.DONE
     assert answer.reuse is ReuseKind.EXACT and answer.served_from == "orig"
     assert (answer.steps_computed, answer.tokens_computed_fraction) == (0, 0.0) and answer.saved_compute
@@ -47,7 +40,7 @@ def test_an_identical_request_is_answered_from_the_stored_result_with_no_worker(
     assert ports.scheduler.stats.exact_hits == 1 and ports.ledger.state("again") == "done"
     # its redelivery is a duplicate, not a second answer
     ports.scheduler.handle_requests([Msg(again.to_bytes(), 1)])
-    assert len(results_on(ports)) == 1
+    assert len(ports.results()) == 1
 
 
 @pytest.mark.parametrize(
@@ -67,7 +60,7 @@ def test_a_request_that_differs_in_what_shapes_the_video_or_in_tenant_is_not_an_
     fields = {"request_id": "other", "seed": 7, **other}
     ports.scheduler.handle_requests([Msg(request(fields.pop("prompt", PROMPT), **fields).to_bytes(), 1)])
     assert [o.request.request_id for o in ports.dispatcher.orders] == ["orig", "other"]
-    assert ports.scheduler.stats.exact_hits == 0 and results_on(ports) == []
+    assert ports.scheduler.stats.exact_hits == 0 and ports.results() == []
 
 
 def test_identical_requests_in_flight_are_coalesced_onto_the_one_running(ports: Ports) -> None:
@@ -75,9 +68,9 @@ def test_identical_requests_in_flight_are_coalesced_onto_the_one_running(ports: 
     twins = [request(request_id=f"twin-{i}", seed=3) for i in range(2)]
     ports.scheduler.handle_requests([Msg(t.to_bytes(), 1 + i) for i, t in enumerate(twins)])
     assert [o.request.request_id for o in ports.dispatcher.orders] == ["runner"]  # run once
-    assert results_on(ports) == []
+    assert ports.results() == []
     ports.scheduler.handle_results([Msg(done("runner").to_bytes(), 0, topic="results")])
-    answers = results_on(ports)
+    answers = ports.results()
     assert sorted(a.request_id for a in answers) == ["twin-0", "twin-1"]
     assert all(a.reuse is ReuseKind.EXACT and a.served_from == "runner" for a in answers)
 
@@ -88,7 +81,7 @@ def test_requests_waiting_for_a_run_that_failed_are_run_in_full(ports: Ports) ->
     failed = GenerationResult(request_id="runner", tenant="default", status=ResultStatus.FAILED)
     ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
     assert [o.request.request_id for o in ports.dispatcher.orders] == ["runner", "twin"]
-    assert ports.dispatcher.orders[-1].plan == ReusePlan.full(4) and results_on(ports) == []
+    assert ports.dispatcher.orders[-1].plan == ReusePlan.full(4) and ports.results() == []
     assert ports.ledger.state("twin") == "dispatched"
 
 
@@ -117,7 +110,7 @@ def test_a_run_that_ends_while_an_identical_request_starts_waiting_still_answers
 
     ledger.add_waiter = push_after_the_result  # type: ignore[method-assign]
     ports.scheduler.handle_requests([Msg(request(request_id="late-twin", seed=3).to_bytes(), 1)])
-    [answer] = results_on(ports)
+    [answer] = ports.results()
     assert answer.request_id == "late-twin" and answer.reuse is ReuseKind.EXACT
     assert ledger.waiters == {} or all(not v for v in ledger.waiters.values())
 
@@ -138,7 +131,7 @@ def test_waiters_not_yet_answered_when_publishing_fails_wait_again(ports: Ports)
         exact.on_result(record, done("runner"))
     exact.publish = publish
     exact.on_result(record, done("runner"))  # the result is handled again (the message was not committed)
-    assert sorted(a.request_id for a in results_on(ports)) == ["twin-0", "twin-1"]
+    assert sorted(a.request_id for a in ports.results()) == ["twin-0", "twin-1"]
 
 
 def test_an_exact_hit_carries_what_its_source_says_of_seed_and_prompt(ports: Ports) -> None:
@@ -146,7 +139,7 @@ def test_an_exact_hit_carries_what_its_source_says_of_seed_and_prompt(ports: Por
     source = done("orig", seed_honoured=False, prompt_tokens_used=32, prompt_truncated=True)
     ports.scheduler.handle_results([Msg(source.to_bytes(), 0, topic="results")])
     ports.scheduler.handle_requests([Msg(request(request_id="again", seed=7).to_bytes(), 1)])
-    [answer] = results_on(ports)
+    [answer] = ports.results()
     assert (answer.seed_honoured, answer.prompt_tokens_used, answer.prompt_truncated) == (False, 32, True)
     # a request that keeps its seed is not served a video that did not honour it
     ports.scheduler.handle_requests([Msg(request(request_id="mine", seed=7, keep_seed=True).to_bytes(), 2)])

@@ -20,13 +20,6 @@ def ports(tmp_path: Any) -> Ports:
     return make_ports(tmp_path)
 
 
-def answers(ports: Ports) -> list[GenerationResult]:
-    return [
-        GenerationResult.model_validate_json(v)
-        for v in ports.on(ports.scheduler.settings.kafka_results_topic)
-    ]
-
-
 def finished(ports: Ports, rid: str, **fields: Any) -> GenerationResult:
     """Feed the worker's result of ``rid`` (it names the fingerprint of the request dispatched)."""
     [order] = [o for o in ports.dispatcher.orders if o.request.request_id == rid]
@@ -43,9 +36,9 @@ def test_an_id_sent_again_after_it_finished_gets_its_result_again_and_a_redelive
     result = finished(ports, "again")
 
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])  # the claimed message read again
-    assert answers(ports) == []
+    assert ports.results() == []
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 5)])  # the sender asking again
-    [replay] = answers(ports)
+    [replay] = ports.results()
     assert replay.answers_resend and replay.model_copy(update={"answers_resend": False}) == result
     assert len(ports.dispatcher.orders) == 1  # nothing computed again
     assert ports.ledger.state("again") == "done"
@@ -60,10 +53,10 @@ def test_an_id_sent_again_while_its_request_runs_is_answered_when_it_finishes(po
     first = request(request_id="running", seed=3)
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
-    assert answers(ports) == [] and len(ports.dispatcher.orders) == 1
+    assert ports.results() == [] and len(ports.dispatcher.orders) == 1
 
     result = finished(ports, "running")
-    [replay] = answers(ports)  # the worker's own result went out on its own; this is the resent message's
+    [replay] = ports.results()  # the worker's own result went out on its own; this is the resent message's
     assert replay.answers_resend and replay.video_uri == result.video_uri
 
 
@@ -79,13 +72,13 @@ def test_a_failure_answers_the_waiting_message_too_and_a_new_attempt_does_not_re
         request_key=order.request.answer_key,
     )
     ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
-    [told] = answers(ports)
+    [told] = ports.results()
     assert told.answers_resend and told.status is ResultStatus.FAILED
 
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 2)])  # asked again: a new attempt runs
     assert len(ports.dispatcher.orders) == 2 and ports.ledger.state("flaky") == "dispatched"
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 3)])  # and a copy of that waits, not told "failed"
-    assert len(answers(ports)) == 1
+    assert len(ports.results()) == 1
 
 
 def test_an_answer_kept_just_before_the_message_waits_still_answers_it(
@@ -103,7 +96,7 @@ def test_an_answer_kept_just_before_the_message_waits_still_answers_it(
 
     monkeypatch.setattr(ports.ledger, "add_waiter", result_lands_first)
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
-    [told] = answers(ports)
+    [told] = ports.results()
     assert told.status is ResultStatus.FAILED and told.answers_resend
     assert ports.ledger.waiters.get("resent:race", []) == []
 
@@ -113,7 +106,7 @@ def test_two_copies_in_one_poll_run_once_and_the_second_is_answered_too(ports: P
     ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)])
     assert len(ports.dispatcher.orders) == 1 and ports.scheduler.stats.resent == 1
     finished(ports, "twice")
-    assert [(r.request_id, r.answers_resend) for r in answers(ports)] == [("twice", True)]
+    assert [(r.request_id, r.answers_resend) for r in ports.results()] == [("twice", True)]
 
 
 @pytest.mark.parametrize("first_finished", [True, False], ids=["finished", "running"])
@@ -127,7 +120,7 @@ def test_an_id_sent_again_for_another_request_is_rejected_and_the_first_keeps_it
     other = request("a blue square moving up on a white background", request_id="mine", seed=3)
     ports.scheduler.handle_requests([Msg(other.to_bytes(), 1)])
 
-    [rejected] = answers(ports)
+    [rejected] = ports.results()
     assert rejected.status is ResultStatus.REJECTED and rejected.error is not None
     assert rejected.error.code == REQUEST_ID_REUSED and "new request id" in rejected.error.message
     # it names the request it answers, so the first request's waiter does not take it for its own, and the
@@ -139,7 +132,7 @@ def test_an_id_sent_again_for_another_request_is_rejected_and_the_first_keeps_it
     assert len(ports.dispatcher.orders) == 1
     if not first_finished:
         finished(ports, "mine")  # and the first's result, when it comes, answers only the first
-        assert len(answers(ports)) == 1
+        assert len(ports.results()) == 1
     assert ports.ledger.state("mine") == "done"
 
 
@@ -151,7 +144,7 @@ def test_an_id_sent_again_asking_for_its_own_seed_is_not_answered_with_a_donors_
     finished(ports, "donor-seed", reuse=ReuseKind.STAGE1, seed_honoured=False)
     strict = request(request_id="donor-seed", seed=3, keep_seed=True)
     ports.scheduler.handle_requests([Msg(strict.to_bytes(), 1)])
-    [rejected] = answers(ports)
+    [rejected] = ports.results()
     assert rejected.error is not None and rejected.error.code == REQUEST_ID_REUSED
     assert "keep_seed" in rejected.error.message
 
@@ -161,7 +154,7 @@ def test_an_id_sent_again_with_reuse_off_is_not_answered_with_a_reused_video(por
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
     finished(ports, "reused", reuse=ReuseKind.STAGE2, tokens_computed_fraction=0.5)
     ports.scheduler.handle_requests([Msg(request(request_id="reused", seed=3, reuse="off").to_bytes(), 1)])
-    [rejected] = answers(ports)
+    [rejected] = ports.results()
     assert rejected.error is not None and rejected.error.code == REQUEST_ID_REUSED
 
 
@@ -170,7 +163,7 @@ def test_an_answer_from_a_worker_that_names_no_fingerprint_is_checked_against_th
     ports.scheduler.handle_results([Msg(done("legacy").to_bytes(), 0, topic="results")])  # no fingerprint
     other = request("a blue square moving up on a white background", request_id="legacy", seed=3)
     ports.scheduler.handle_requests([Msg(other.to_bytes(), 1)])
-    [rejected] = answers(ports)
+    [rejected] = ports.results()
     assert rejected.error is not None and rejected.error.code == REQUEST_ID_REUSED
 
 
@@ -180,7 +173,7 @@ def test_an_exact_hit_sent_again_gets_its_answer_again(ports: Ports) -> None:
     copy = request(request_id="copy", seed=7)
     ports.scheduler.handle_requests([Msg(copy.to_bytes(), 1)])
     ports.scheduler.handle_requests([Msg(copy.to_bytes(), 2)])
-    served, replay = answers(ports)
+    served, replay = ports.results()
     assert served.reuse is ReuseKind.EXACT and not served.answers_resend
     assert replay.answers_resend and replay.served_from == "orig" and replay.request_key == copy.answer_key
 
@@ -191,7 +184,7 @@ def test_a_finished_request_whose_result_is_not_kept_is_answered_with_the_reason
     finished(ports, "old")
     ports.ledger.values.pop("result:old")  # answered before results were kept, or expired before its claim
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 4)])
-    [rejected] = answers(ports)
+    [rejected] = ports.results()
     assert rejected.error is not None and rejected.error.code == RESULT_NOT_KEPT
 
 
@@ -209,7 +202,7 @@ def test_copies_of_one_poll_read_again_after_a_failure_are_answered_once_each(
     monkeypatch.setattr(ports.dispatcher, "generate", generate)
     ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)])
     finished(ports, "again-poll")
-    assert [r.answers_resend for r in answers(ports)] == [True]  # offset 11, once
+    assert [r.answers_resend for r in ports.results()] == [True]  # offset 11, once
 
 
 def test_a_resend_that_keeps_failing_is_dead_lettered_without_touching_its_request(
@@ -224,7 +217,7 @@ def test_a_resend_that_keeps_failing_is_dead_lettered_without_touching_its_reque
     monkeypatch.setattr(ports.ledger, "add_waiter", broken)
     for _ in range(ports.scheduler.settings.max_attempts):
         ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
-    [told] = answers(ports)
+    [told] = ports.results()
     assert told.status is ResultStatus.REJECTED and told.answers_resend
     assert told.request_key == first.answer_key
     ports.scheduler.handle_results([Msg(told.to_bytes(), 0, topic="results")])
@@ -261,7 +254,7 @@ def test_a_ledger_failure_while_answering_retries_the_message_and_keeps_the_firs
     assert ports.ledger.state("kept") == "done"  # the first message's claim is not released
     monkeypatch.undo()
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 3)])
-    assert [r.answers_resend for r in answers(ports)] == [True]
+    assert [r.answers_resend for r in ports.results()] == [True]
 
 
 def test_a_resent_message_read_again_is_not_answered_again(ports: Ports) -> None:
@@ -276,7 +269,7 @@ def test_a_resent_message_read_again_is_not_answered_again(ports: Ports) -> None
     before = replayed()
     for _ in range(3):  # the resend, then the same message read again (a rewind, a redelivery)
         ports.scheduler.handle_requests([Msg(first.to_bytes(), 7)])
-    assert len(answers(ports)) == 1 and replayed() == before + 1
+    assert len(ports.results()) == 1 and replayed() == before + 1
 
 
 def test_a_claim_that_keeps_failing_is_dead_lettered_as_that_messages_answer_alone(
@@ -291,7 +284,7 @@ def test_a_claim_that_keeps_failing_is_dead_lettered_as_that_messages_answer_alo
     monkeypatch.setattr(ports.ledger, "begin", read_only)
     for _ in range(ports.scheduler.settings.max_attempts):
         ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])
-    [told] = answers(ports)
+    [told] = ports.results()
     assert (
         told.status is ResultStatus.REJECTED and told.answers_resend and told.request_key == first.answer_key
     )
@@ -310,7 +303,7 @@ def test_copies_waiting_on_a_request_that_is_dead_lettered_are_told_why(
     monkeypatch.setattr(ports.dispatcher, "generate", broken)
     for _ in range(ports.scheduler.settings.max_attempts):
         ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)])
-    own, copy = answers(ports)
+    own, copy = ports.results()
     assert own.status is copy.status is ResultStatus.REJECTED
     assert not own.answers_resend and copy.answers_resend and own.error == copy.error
     assert ports.ledger.waiters.get("resent:doomed", []) == []
@@ -325,7 +318,7 @@ def test_a_finished_request_whose_entry_was_evicted_and_answer_expired_is_answer
     ports.ledger.set_state("evicted", RequestState.EVICTED)  # the cache evicted its donor entry since
     ports.ledger.values.pop("result:evicted")  # and its answer expired before the claim the eviction renewed
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 4)])
-    [told] = answers(ports)
+    [told] = ports.results()
     assert told.error is not None and told.error.code == RESULT_NOT_KEPT
     assert ports.ledger.waiters.get("resent:evicted", []) == []
 
@@ -351,7 +344,7 @@ def test_an_old_answer_is_forgotten_even_when_the_retry_that_should_forget_it_fa
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])  # read again: a new claim, run afresh
     assert ports.ledger.state("stale") == "dispatched"
     ports.scheduler.handle_requests([Msg(first.to_bytes(), 2)])  # a copy waits for the new run's answer
-    assert answers(ports) == []
+    assert ports.results() == []
 
 
 def test_copies_that_cannot_be_told_do_not_send_the_dead_letter_round_again(
