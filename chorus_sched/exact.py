@@ -173,7 +173,13 @@ class ExactHits:
             self.resends.keep(answer)
         self.ledger.set_state(request.job_id, RequestState.DONE)
         if self.resends is not None:
-            self.resends.answer_waiting(answer)
+            try:
+                self.resends.answer_waiting(answer)
+            except Exception as exc:  # answered already: copies left waiting are told when the id comes again
+                log.error(
+                    "copies of an exact hit could not be told yet",
+                    extra={"request_id": request.request_id, "error": repr(exc)},
+                )
         METRICS.exact_hits.labels(kind=kind).inc()
         log.info(
             "exact hit: answered from an identical request's result",

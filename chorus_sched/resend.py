@@ -70,6 +70,7 @@ class Resends:
         kept = self._kept(job)
         if kept is not None:
             self._respond(request, kept, origin)
+            self.answer_waiting(kept)  # and any copy left waiting by an earlier failure to tell it
             return
         if state in (RequestState.DONE, RequestState.EVICTED):
             # Answered before answers were kept, or its answer expired before its claim (an eviction renews the

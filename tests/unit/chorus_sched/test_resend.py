@@ -360,3 +360,19 @@ def test_copies_that_cannot_be_told_do_not_send_the_dead_letter_round_again(
     for _ in range(ports.scheduler.settings.max_attempts):
         outcome = ports.scheduler.handle_requests([Msg(twice, 10), Msg(twice, 11)])
     assert not outcome.retry and ports.ledger.state("untold") == "dead_lettered"
+
+
+def test_copies_left_waiting_by_a_failure_to_tell_them_are_told_when_the_id_comes_again(
+    ports: Ports, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = request(request_id="left", seed=3)
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 0)])
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 1)])  # waits
+    [order] = ports.dispatcher.orders
+    ports.ledger.records.pop(
+        "left"
+    )  # the result then comes to nothing the feedback knows (say, a lost record)
+    ports.ledger.states["left"] = RequestState.DONE
+    ports.ledger.values["result:left"] = done("left", request_key=order.request.answer_key).model_dump_json()
+    ports.scheduler.handle_requests([Msg(first.to_bytes(), 2)])  # the id sent once more
+    assert sorted(r.answers_resend for r in ports.results()) == [True, True]  # both copies told
