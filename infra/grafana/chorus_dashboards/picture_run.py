@@ -4,9 +4,9 @@ varied stream of requests goes through it (``live_run``).
 The stream (``build_shots``) is ``chorus demo``'s families of similar toy-world prompts (base, reuse-off baseline,
 new seed, paraphrase, terse, one changed attribute: donor hits and misses, group followers) with extras for the
 other panels: an identical request after its original finished and two identical ones back to back (exact hits,
-stored and coalesced), a request sent twice (a duplicate), another tenant's copy of a prompt (a cross-tenant
-lookup), and invalid messages for the error panels (a blank prompt, steps out of range, bytes that are not JSON,
-a model no worker serves). One message is published every ``interval_s``.
+stored and coalesced), a request sent twice (its id in a new message: answered with a copy, not run), another
+tenant's copy of a prompt (a cross-tenant lookup), and invalid messages for the error panels (a blank prompt, steps
+out of range, bytes that are not JSON, a model no worker serves). One message is published every ``interval_s``.
 """
 
 from __future__ import annotations
