@@ -181,6 +181,6 @@ class Resends:
 
 def _reused_message(request: GenerationRequest) -> str:
     return (
-        f"request id {request.request_id!r} was already used for another request (its prompt, seed, shape, "
-        "settings, reuse or keep_seed differ); the first keeps its result: send this one with a new request id"
+        f"request id {request.request_id!r} was used before for another request (other prompt, seed, shape, "
+        "settings, reuse or keep_seed): send this one with a new request id"
     )
