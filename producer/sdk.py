@@ -260,7 +260,7 @@ class ResultWatcher:
         self.topic = settings.kafka_results_topic
         self.consumer: KafkaConsumer = bus.tail_consumer(settings, self.topic)
         self.skipped = 0  # messages on the topic that were not valid results
-        # Every distinct answer (tenant, fingerprint) per request id seen so far, the first of each, so that
+        # Every distinct answer (tenant, request_key) per request id seen so far, the first of each, so that
         # sequential waits lose nothing.
         self.received: dict[str, list[GenerationResult]] = {}
 
