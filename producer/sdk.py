@@ -318,6 +318,14 @@ class ResultWatcher:
                         on_result(result)
                     yield result
 
+    def forget(self, requests: Iterable[str | GenerationRequest]) -> None:
+        """Drop the answers seen so far for ``requests``, before waiting on them again after sending them again
+        (a retry after a failure): otherwise ``wait`` hands back the earlier answer, and the retry's own answer,
+        which names the same request, is taken for a copy of it."""
+        for want in {_want(r) for r in requests}:
+            seen = self.received.get(want[1], [])
+            seen[:] = [r for r in seen if not _answers(r, want)]
+
     def _first_of_its_kind(self, result: GenerationResult) -> bool:
         """Record ``result`` unless an answer to the same request was seen before (a replay, a redelivery)."""
         seen = self.received.setdefault(result.request_id, [])

@@ -261,3 +261,24 @@ def test_the_watcher_tells_apart_two_requests_sent_under_one_id_by_their_content
         assert strict.fingerprint == first.fingerprint and strict.answer_key != first.answer_key
         assert list(watcher.wait([strict], timeout_s=2)) == []
     producer.close(timeout=10)
+
+
+def test_a_watcher_told_to_forget_a_request_waits_for_its_retrys_answer(
+    kafka_settings: KafkaSettings,
+) -> None:
+    from producer.contract import build_request
+    from producer.sdk import ResultWatcher
+
+    mine = build_request(prompt="a green kite", request_id="retried", tenant="t")
+    failed = GenerationResult(
+        request_id="retried", tenant="t", status=ResultStatus.FAILED, request_key=mine.answer_key
+    )
+    done = failed.model_copy(update={"status": ResultStatus.DONE, "video_uri": "s3://x/retried.mp4"})
+    producer = bus.make_producer(kafka_settings)
+    with ResultWatcher(kafka_settings) as watcher:
+        bus.publish(producer, kafka_settings.kafka_results_topic, "retried", failed.to_bytes())
+        assert [r.status for r in watcher.wait([mine], timeout_s=60)] == [ResultStatus.FAILED]
+        watcher.forget([mine])  # the request is sent again: its earlier answer is not its answer any more
+        bus.publish(producer, kafka_settings.kafka_results_topic, "retried", done.to_bytes())
+        assert [r.video_uri for r in watcher.wait([mine], timeout_s=60)] == ["s3://x/retried.mp4"]
+    producer.close(timeout=10)
