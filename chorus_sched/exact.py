@@ -52,7 +52,7 @@ class ExactHits:
         ledger: Ledger,
         publish: Publisher,
         send_order: Callable[[WorkOrder], None],
-        resends: Resends | None = None,
+        resends: Resends,
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
@@ -169,17 +169,9 @@ class ExactHits:
             request_key=request.answer_key,
         )
         self.publish(self.settings.kafka_results_topic, request.request_id, answer.to_bytes())
-        if self.resends is not None:
-            self.resends.keep(answer)
+        self.resends.keep(answer)
         self.ledger.set_state(request.job_id, RequestState.DONE)
-        if self.resends is not None:
-            try:
-                self.resends.answer_waiting(answer)
-            except Exception as exc:  # answered already: copies left waiting are told when the id comes again
-                log.error(
-                    "copies of an exact hit could not be told yet",
-                    extra={"request_id": request.request_id, "error": repr(exc)},
-                )
+        self.resends.try_answer_waiting(answer)
         METRICS.exact_hits.labels(kind=kind).inc()
         log.info(
             "exact hit: answered from an identical request's result",

@@ -42,7 +42,6 @@ from chorus_sched.settings import SchedulerSettings
 from producer.contract import (
     ContractError,
     GenerationRequest,
-    GenerationResult,
     ReusePolicy,
     parse_keyed_request,
 )
@@ -334,21 +333,11 @@ class Intake:
                 self.ledger.set_state(
                     request.job_id, RequestState.DEAD_LETTERED, origin=f"{m.topic}:{m.partition}:{m.offset}"
                 )
-                if rejected is not None:  # copies of it that wait are answered by its answer
-                    self._tell_waiting(rejected)
+                if rejected is not None:  # copies of it that wait are answered by its answer (a failure
+                    self.resends.try_answer_waiting(rejected)  # must not send the dead letter round again)
         except Exception as dl_exc:
             log.warning("could not dead-letter; will retry", extra={"error": repr(dl_exc)})
             progress.failed(m)
-
-    def _tell_waiting(self, rejected: GenerationResult) -> None:
-        # The message is dead-lettered either way: a failure here must not send it round again.
-        try:
-            self.resends.answer_waiting(rejected)
-        except Exception as exc:
-            log.error(
-                "copies of a dead-lettered request could not be told; they are answered when the id is sent again",
-                extra={"request_id": rejected.request_id, "error": repr(exc)},
-            )
 
     def _embed_requests(self, requests: Sequence[GenerationRequest]) -> dict[str, list[float]]:
         wanted = [r for r in requests if r.reuse is ReusePolicy.AUTO]

@@ -128,6 +128,17 @@ class Resends:
                     self.ledger.add_waiter(_waiting_key(result.job_id), left)
                 raise
 
+    def try_answer_waiting(self, result: GenerationResult) -> None:
+        """``answer_waiting`` where the request is answered already and must not be handled again for them: a
+        failure is logged, and the copies left waiting are told when the id comes again (``answer``)."""
+        try:
+            self.answer_waiting(result)
+        except Exception as exc:
+            log.error(
+                "copies waiting on a request could not be told yet; they are when its id comes again",
+                extra={"request_id": result.request_id, "tenant": result.tenant, "error": repr(exc)},
+            )
+
     # --- helpers ---------------------------------------------------------------------------------------------
     def _kept(self, job: str) -> GenerationResult | None:
         raw = self.ledger.get_value(_kept_key(job))
