@@ -172,8 +172,13 @@ class Feedback:
                 "trajectory is outside the agreed layout; eviction by prefix would miss it",
                 extra={"request_id": result.request_id, "job": rid, "trajectory_uri": result.trajectory_uri},
             )
+        # What keep_seed requests match on: the seed of the noise the trajectory starts from, which is the request's
+        # own only when its result says so (a donor's noise otherwise, Stage 1 or Stage 2 alike).
+        request = WorkOrder.model_validate_json(record.order).request if record.order else None
+        noise_seed = request.seed if request is not None and result.seed_honoured else None
         fields = {
             "status": DonorStatus.READY,
+            "seed": noise_seed,
             "trajectory_uri": result.trajectory_uri,
             "video_uri": result.video_uri,
             "bytes": result.trajectory_bytes,
@@ -191,7 +196,7 @@ class Feedback:
                     trajectory_prefix=trajectory_prefix(rid),
                     model=record.model,
                     num_steps=record.num_steps,
-                    seed=WorkOrder.model_validate_json(record.order).request.seed if record.order else None,
+                    seed=noise_seed,
                     trajectory_uri=result.trajectory_uri,
                     video_uri=result.video_uri,
                     bytes=result.trajectory_bytes,

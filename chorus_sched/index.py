@@ -66,6 +66,7 @@ class DonorEntry(BaseModel):
     model: str = ""
     bytes: int = Field(default=0, ge=0)
     num_steps: int = Field(default=0, ge=0)
+    # The seed of the noise the trajectory starts from (None: another request's, not known): what keep_seed matches.
     seed: int | None = None
     created_at: float = Field(default_factory=time.time)
     last_hit_at: float | None = None

@@ -441,7 +441,9 @@ class Intake:
                 status=DonorStatus.RUNNING,
                 model=request.model,
                 num_steps=request.num_steps,
-                seed=request.seed,
+                # the seed of the noise it starts from: a leader that reuses starts from its donor's (known when
+                # its result says, ``Feedback._index_donor``)
+                seed=request.seed if donor is None or not decision.plan.reuses else None,
                 created_at=self.clock(),
             )
             try:

@@ -378,8 +378,8 @@ class GenerationResult(_Wire):
     )
     seed_honoured: bool = Field(
         default=True,
-        description="False when the video started from a donor made with another seed (Stage 1): it is a sample "
-        "for the prompt, but not the one the requested seed alone would give",
+        description="False when the video started from a donor's noise of another (or an unknown) seed, Stage 1 "
+        "or Stage 2 alike: a sample for the prompt, but not the one the requested seed alone would give",
     )
     prompt_tokens_used: int | None = Field(
         default=None,

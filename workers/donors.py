@@ -147,11 +147,6 @@ class S3DonorSource:
             self.step(index)
 
     @property
-    def loaded_metadata(self) -> TrajectoryMeta | None:
-        """The donor's metadata if it was read (no download)."""
-        return self._meta
-
-    @property
     def gave_up(self) -> bool:
         """Whether a wait for the leader ran out (later objects are no longer waited for)."""
         return self._gave_up

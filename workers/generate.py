@@ -226,10 +226,8 @@ def _run_and_write(
     summary = {
         **result.summary(),
         "reuse": str(reuse),
-        # as in a served result: False when the first steps are a donor's of another seed
-        "seed_honoured": seed_honoured(
-            reuse, donor_seed=donor_traj.meta.seed if donor_traj is not None else None, seed=request.seed
-        ),
+        # as in a served result: False when the video started from a donor's noise of another seed
+        "seed_honoured": seed_honoured(result.noise_seed, seed=request.seed),
         "model": model,
         "plan": plan.model_dump(),
         "output": str(out_path),

@@ -102,7 +102,7 @@ def done_result(
     timings: PhaseTimings,
     worker: str | None,
     donor_gone: bool = False,
-    donor_seed: int | None = None,
+    noise_seed: int | None,
     prompt_tokens_used: int | None = None,
     prompt_truncated: bool = False,
     verification: VerificationReport | None = None,
@@ -131,7 +131,7 @@ def done_result(
         timings=timings,
         worker=worker,
         reuse=reuse,
-        seed_honoured=seed_honoured(reuse, donor_seed=donor_seed, seed=request.seed),
+        seed_honoured=seed_honoured(noise_seed, seed=request.seed),
         request_key=request.answer_key,
         prompt_tokens_used=prompt_tokens_used,
         prompt_truncated=prompt_truncated,
@@ -173,10 +173,11 @@ def reuse_kind(
     return ReuseKind.STAGE1 if steps_computed < steps_requested else ReuseKind.STAGE2
 
 
-def seed_honoured(reuse: ReuseKind, *, donor_seed: int | None, seed: int) -> bool:
-    """Whether the video is the requested seed's own sample: not when its first steps are a donor's of another
-    seed (a valid video for the prompt, but another sample)."""
-    return reuse is not ReuseKind.STAGE1 or donor_seed == seed
+def seed_honoured(noise_seed: int | None, *, seed: int) -> bool:
+    """Whether the video is the requested seed's own sample: not when it started from the noise of a donor made
+    with another seed (a valid video for the prompt, but another sample), nor when that noise's seed is not
+    known (``GenerationOutput.noise_seed``)."""
+    return noise_seed == seed
 
 
 def _donor_info(order: WorkOrder) -> DonorInfo | None:

@@ -311,7 +311,7 @@ class Runner:
             donor_gone=output.donor_gone,
             timings=clock.timings(queue_s),
             worker=worker,
-            donor_seed=meta.seed if source is not None and (meta := source.loaded_metadata) else None,
+            noise_seed=output.noise_seed,
             prompt_tokens_used=output.prompt_tokens_used,
             prompt_truncated=output.prompt_truncated,
             verification=output.verification,

@@ -32,6 +32,7 @@ from workers.engine.request_run import (
     PrefetchedDonor,
     RequestRun,
     Stage1,
+    noise_seed,
     resolve_donor,
     run_fallback,
     set_timesteps,
@@ -295,6 +296,7 @@ class Engine:
             prompt_tokens_used=run.cond.used_tokens if run.cond.prompt_tokens is not None else None,
             prompt_truncated=run.cond.truncated,
             verification=run.verification,
+            noise_seed=noise_seed(run),
         )
         log.info(
             "request denoised",

@@ -52,6 +52,8 @@ class GenerationOutput:
     prompt_truncated: bool = False
     # The model's check of the donor before its Stage 1 was trusted (``workers.engine.verify``), if one ran.
     verification: VerificationReport | None = None
+    # The seed of the noise the video started from (``request_run.noise_seed``; None: not known).
+    noise_seed: int | None = None
 
     @property
     def denoise_seconds(self) -> float:

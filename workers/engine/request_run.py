@@ -281,6 +281,19 @@ def resolve_donor(
     return Stage1(initial, x, records, seconds, k1, k2, fallback, decided)
 
 
+def noise_seed(run: RequestRun) -> int | None:
+    """The seed of the noise the run's trajectory starts from: the request's own, or its donor's when the run
+    starts from the donor's initial latent (Stage 1 does, and so does a Stage-2-only plan, whose kept tokens are
+    the donor's). None when that is not known: a donor that itself started from another's noise records only its
+    own request's seed."""
+    if run.meta.initial_from is None:
+        return run.request.seed
+    donor = run.donor_meta
+    if donor is None or donor.initial_from is not None:
+        return None
+    return donor.seed
+
+
 def run_fallback(run: RequestRun, decided: Fallback | None, reasons: Sequence[str]) -> Fallback | None:
     """What the run did not reuse, as one fallback: the donor dropped before any step was read (``decided``), else
     the donor problems the run computed around (a wait timeout when a leader never came)."""

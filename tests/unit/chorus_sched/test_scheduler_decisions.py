@@ -178,6 +178,35 @@ def test_a_result_feeds_the_donor_index_and_a_later_similar_request_reuses_it(po
     assert later_entry is not None and later_entry.ready
 
 
+def test_a_request_that_keeps_its_seed_never_gets_a_donor_grown_from_another_seeds_noise(
+    ports: Ports,
+) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="lead", seed=1).to_bytes(), 0)])
+    ports.scheduler.handle_results([Msg(done("lead").to_bytes(), 0, topic="results")])
+    ports.scheduler.handle_requests([Msg(request(request_id="later", seed=3).to_bytes(), 1)])
+    later = ports.dispatcher.orders[-1]
+    assert later.donor is not None and later.donor.request_id == "lead"
+    # it reused lead's noise (Stage 1 or Stage 2 alike): its video is not seed 3's own sample, so it says
+    reused = done(
+        "later",
+        donor=DonorInfo(request_id="lead", similarity=1.0),
+        plan=later.plan,
+        steps_computed=4,
+        tokens_computed_fraction=0.5,
+        seed_honoured=False,
+    )
+    ports.scheduler.handle_results([Msg(reused.to_bytes(), 1, topic="results")])
+    entry = ports.index.get("later")
+    assert entry is not None and entry.ready and entry.seed is None
+    lead = ports.index.get("lead")
+    assert lead is not None and lead.seed == 1
+
+    strict = request(request_id="strict", seed=3, keep_seed=True)
+    ports.scheduler.handle_requests([Msg(strict.to_bytes(), 2)])
+    order = ports.dispatcher.orders[-1]
+    assert order.request.request_id == "strict" and order.donor is None and not order.plan.reuses
+
+
 def test_a_failed_leader_is_evicted_and_its_objects_ordered_deleted(ports: Ports) -> None:
     ports.scheduler.handle_requests([Msg(request(request_id="lead").to_bytes(), 0)])
     failed = GenerationResult(request_id="lead", tenant="default", status=ResultStatus.FAILED)

@@ -147,6 +147,33 @@ def test_generate_says_when_the_video_starts_from_another_seeds_donor(tmp_path):
     assert r.exit_code == 0 and "seed 2 (the donor's: another sample)" in " ".join(r.output.split())
 
 
+def test_a_stage_2_only_reuse_starts_from_the_donors_noise_and_says_so(tmp_path):
+    # k1 = 0: no step of the donor's is replayed, but the kept tokens are the donor's, grown from its noise
+    r = _reuse(
+        tmp_path, "--seed", "2", "--k1", "0", "--k2", "2", "--max-active", "0.5", "--no-verify", "--json"
+    )
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["steps_computed"] == 4 and summary["tokens_computed_fraction"] < 1.0
+    assert (summary["reuse"], summary["seed_honoured"]) == ("stage2", False)  # the donor was seed 0
+    r = _reuse(
+        tmp_path, "--seed", "0", "--k1", "0", "--k2", "2", "--max-active", "0.5", "--no-verify", "--json"
+    )
+    assert r.exit_code == 0 and json.loads(r.stdout)["seed_honoured"] is True  # the same seed's noise
+
+
+def test_a_donor_that_started_from_another_donor_cannot_vouch_for_its_noise(tmp_path):
+    _reuse(tmp_path)  # the first donor, seed 0
+    second = tmp_path / "second.safetensors"
+    r = _reuse(tmp_path, "--no-verify", "--save-trajectory", str(second))
+    assert r.exit_code == 0, r.output
+    args = ["generate", "-p", "a green circle", *SMALL, "-o", str(tmp_path / "g.mp4"), "--donor", str(second)]
+    r = runner.invoke(app, [*args, "--k1", "2", "--k2", "1", "--no-verify", "--json"])
+    assert r.exit_code == 0, r.output
+    # its record names only its own request's seed (0), not the seed of the noise it started from
+    assert json.loads(r.stdout)["seed_honoured"] is False
+
+
 def test_generate_with_the_toy_model_prints_only_its_own_lines(tmp_path):
     """A fresh process, as a user runs it: no transformers progress bar while MiniLM loads, no diffusers warning
     about casting a float32 model to float32, no tokenizer warning for a prompt longer than BERT's positions."""

@@ -46,6 +46,7 @@ def test_done_result_carries_request_donor_plan_and_what_was_computed() -> None:
         fallback=None,
         timings=timings,
         worker="chorus@host",
+        noise_seed=0,
         verification=VerificationReport(decision="shortened", signal=0.02, step=2, stage1_steps=1),
     )
     assert result.status is ResultStatus.DONE and result.error is None
@@ -70,6 +71,7 @@ def test_a_result_without_a_stored_trajectory_reports_no_bytes_and_clamps_the_fr
         fallback="donor d-1 unusable: computed in full",
         timings=PhaseTimings(),
         worker=None,
+        noise_seed=0,
     )
     assert result.trajectory_bytes == 0 and result.donor is None
     assert result.tokens_computed_fraction == 1.0
@@ -134,17 +136,20 @@ def test_queue_seconds_is_measured_from_acceptance() -> None:
 
 
 @pytest.mark.parametrize(
-    ("steps_computed", "fraction", "donor_seed", "kind", "honoured", "hit"),
+    ("steps_computed", "fraction", "noise_seed", "kind", "honoured", "hit"),
     [
         (4, 0.61, 0, ReuseKind.STAGE1, True, True),  # steps skipped from a donor of the same seed (0)
         (4, 0.61, 5, ReuseKind.STAGE1, False, True),  # ... of another seed: not the requested seed's sample
-        (4, 0.61, None, ReuseKind.STAGE1, False, True),  # donor seed unknown: not claimed as honoured
-        (6, 0.8, 5, ReuseKind.STAGE2, True, True),  # every step run, only tokens skipped
-        (6, 1.0, 5, ReuseKind.NONE, True, False),  # a planned donor that saved nothing is no hit
+        (4, 0.61, None, ReuseKind.STAGE1, False, True),  # the noise's seed unknown: not claimed as honoured
+        (6, 0.8, 0, ReuseKind.STAGE2, True, True),  # every step run, only tokens skipped, same seed
+        # Stage 2 alone keeps the donor's tokens, started from the donor's noise: another seed's sample
+        (6, 0.8, 5, ReuseKind.STAGE2, False, True),
+        (6, 1.0, 5, ReuseKind.NONE, False, False),  # saved nothing, yet started from the donor's noise
+        (6, 1.0, 0, ReuseKind.NONE, True, False),  # a planned donor that saved nothing is no hit
     ],
 )
 def test_a_result_says_what_its_video_is(
-    steps_computed: int, fraction: float, donor_seed: int | None, kind: ReuseKind, honoured: bool, hit: bool
+    steps_computed: int, fraction: float, noise_seed: int | None, kind: ReuseKind, honoured: bool, hit: bool
 ) -> None:
     result = done_result(
         make_order(),
@@ -156,6 +161,6 @@ def test_a_result_says_what_its_video_is(
         fallback=None,
         timings=PhaseTimings(),
         worker=None,
-        donor_seed=donor_seed,
+        noise_seed=noise_seed,
     )
     assert (result.reuse, result.seed_honoured, result.saved_compute) == (kind, honoured, hit)

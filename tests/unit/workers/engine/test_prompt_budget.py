@@ -63,6 +63,7 @@ def test_the_result_carries_the_counts(make_request: Callable[..., GenerationReq
         fallback=None,
         timings=PhaseTimings(),
         worker="w",
+        noise_seed=request.seed,
         prompt_tokens_used=16,
         prompt_truncated=True,
     )
