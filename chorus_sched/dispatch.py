@@ -62,6 +62,11 @@ class Dispatcher:
         result = self.app.AsyncResult(task_id)
         return str(result.state), heartbeat_of(result.info)
 
+    def failure_of(self, task_id: str) -> str:
+        """Why Celery says the order's task failed (its exception, shortened), for a task in FAILURE."""
+        info = self.app.AsyncResult(task_id).info
+        return (repr(info) if info is not None else "no reason recorded")[:500]
+
     def model_last_seen(self, model: str) -> float | None:
         """When a worker last announced ``model`` (``producer.broker.announce_models``)."""
         return model_last_seen(self.app, model)

@@ -154,11 +154,12 @@ class SchedulerMetrics:
         zero_series(self.exact_hits, kind=("stored", "coalesced"))
         self.redispatched = Counter(
             "chorus_orders_lost",
-            "Orders whose worker vanished, by what the watchdog did: sent again, or answered failed.",
+            "Orders no result came for, by what the watchdog did: sent again or answered failed (their worker "
+            "vanished), or worker_failed (their task failed in the worker without an answer: answered failed).",
             ["outcome"],
             registry=registry,
         )
-        zero_series(self.redispatched, outcome=("sent_again", "failed"))
+        zero_series(self.redispatched, outcome=("sent_again", "failed", "worker_failed"))
         self.retries = Counter(
             "chorus_scheduler_retries",
             "Messages left to be handled again on a later poll, by cause.",

@@ -9,8 +9,12 @@ still ``dispatched`` for longer than ``order_check_after_s``:
   ``worker_heartbeat_s`` by the running task) older than ``worker_lost_after_s``: the worker is gone;
 - never started (PENDING) for longer than ``order_pending_lost_after_s``: the message was lost (a live queue
   that is merely long keeps the order PENDING too, so this bound is generous);
-- finished in Celery (SUCCESS/FAILURE) yet no result reached us for as long: left alone (the worker published
-  or will retry publishing; re-running would duplicate).
+- succeeded in Celery (SUCCESS) yet no result reached us: left alone (the task returns only after its result
+  was published; re-running would duplicate);
+- failed in Celery (FAILURE: its result could not be published after the task's own retries, the hard time
+  limit killed it, an exception escaped the task) and no result reached us: nothing will ever answer it, so it is
+  answered ``failed`` (``worker_failed``, with Celery's reason) — not sent again, as what failed it would most
+  likely fail it again, and its sender may send it again.
 
 A lost order is sent again with the same task id, up to ``max_redispatches`` times; after that the request is
 answered ``failed`` (``worker_lost``) so its sender is never left waiting.
@@ -35,6 +39,8 @@ log = logging.getLogger(__name__)
 
 STARTED_STATES = ("STARTED", "PROGRESS")
 NO_WORKER = "no_worker"
+WORKER_FAILED = "worker_failed"
+WORKER_LOST = "worker_lost"
 
 
 def _origin(origin: str, default_topic: str) -> tuple[str, int, int]:
@@ -51,6 +57,8 @@ class OrderPort(Protocol):
     def generate(self, order: WorkOrder) -> None: ...
 
     def task_state(self, task_id: str) -> tuple[str, float | None]: ...
+
+    def failure_of(self, task_id: str) -> str: ...
 
     def model_last_seen(self, model: str) -> float | None: ...
 
@@ -99,12 +107,20 @@ class OrderWatchdog:
                 continue
             if now - sent_at < self.settings.order_check_after_s:
                 continue
-            why = self._lost(record.request_id, sent_at, now)
+            state, heartbeat = self.dispatcher.task_state(record.request_id)
+            if state == "FAILURE":
+                acted.append(record.request_id)
+                self._failed_in_worker(record)
+                continue
+            why = self._lost(state, heartbeat, sent_at, now)
             if why is None:
                 continue
             acted.append(record.request_id)
             if record.redispatches >= self.settings.max_redispatches:
-                self._give_up(record, why)
+                message = f"order lost {record.redispatches + 1} times ({why}); not sent again"
+                self._answer_failed(record, WORKER_LOST, message)
+                METRICS.redispatched.labels(outcome="failed").inc()
+                log.error("order lost; answered failed", extra={"job": record.request_id, "why": why})
             else:
                 self._redispatch(record, why, now)
         return acted
@@ -157,8 +173,7 @@ class OrderWatchdog:
         )
         return True
 
-    def _lost(self, job: str, sent_at: float, now: float) -> str | None:
-        state, heartbeat = self.dispatcher.task_state(job)
+    def _lost(self, state: str, heartbeat: float | None, sent_at: float, now: float) -> str | None:
         if state in STARTED_STATES:
             # A re-sent order shows the dead worker's last beat until a copy starts: count from the re-send.
             last = max(heartbeat or 0.0, sent_at)
@@ -179,19 +194,26 @@ class OrderWatchdog:
             extra={"job": record.request_id, "why": why, "redispatches": again.redispatches},
         )
 
-    def _give_up(self, record: RequestRecord, why: str) -> None:
+    def _failed_in_worker(self, record: RequestRecord) -> None:
+        reason = self.dispatcher.failure_of(record.request_id)
+        message = f"the worker's task failed without an answer ({reason}); send the request again to retry it"
+        self._answer_failed(record, WORKER_FAILED, message)
+        METRICS.redispatched.labels(outcome=WORKER_FAILED).inc()
+        log.error(
+            "order failed in its worker without an answer; answered failed",
+            extra={"job": record.request_id, "reason": reason},
+        )
+
+    def _answer_failed(self, record: RequestRecord, code: str, message: str) -> None:
         order = WorkOrder.model_validate_json(record.order or "")
-        message = f"order lost {record.redispatches + 1} times ({why}); not sent again"
         failed = GenerationResult(
             request_id=order.request.request_id,
             tenant=order.request.tenant,
             status=ResultStatus.FAILED,
-            error=ErrorInfo(code="worker_lost", message=message),
+            error=ErrorInfo(code=code, message=message[:2000]),
             steps_requested=order.request.num_steps,
             request_key=order.request.answer_key,
         )
         self.dispatcher.mark_answered(record.request_id)  # copies still queued must not answer it again
         self.publish(self.settings.kafka_results_topic, order.request.request_id, failed.to_bytes())
         self.ledger.set_state(record.request_id, RequestState.FAILED)
-        METRICS.redispatched.labels(outcome="failed").inc()
-        log.error("order lost; answered failed", extra={"job": record.request_id, "why": why})

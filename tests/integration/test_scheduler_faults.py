@@ -130,6 +130,30 @@ def test_an_order_whose_worker_vanished_is_sent_again_by_maintenance(make_settin
         close()
 
 
+def test_an_order_whose_task_failed_without_an_answer_is_answered_failed(make_settings: Any) -> None:
+    settings = make_settings(order_check_after_s=0.1)
+    app = celery_client(settings.broker_url, settings.state_dir, settings.ledger_prefix)
+    scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
+    try:
+        doomed = request(request_id="doomed-order")
+        scheduler.handle_requests(
+            [Record(settings.kafka_requests_topic, 0, 0, b"doomed-order", doomed.to_bytes())]
+        )
+        assert (
+            len(drain(app, queue_for("toy"))) == 1
+        )  # a worker took it; its task failed as Celery records it
+        app.backend.mark_as_failure("doomed-order", TimeoutError("TimeLimitExceeded(960)"))
+        time.sleep(0.3)
+        scheduler.maintain()
+        assert drain(app, queue_for("toy")) == []  # not sent again
+        [failed] = results_of(settings, 1)
+        assert failed.request_id == "doomed-order" and failed.status is ResultStatus.FAILED
+        assert failed.error is not None and failed.error.code == "worker_failed"
+        assert "TimeLimitExceeded(960)" in failed.error.message
+    finally:
+        close()
+
+
 def test_an_order_for_a_model_no_live_worker_serves_is_rejected_within_seconds(make_settings: Any) -> None:
     from producer.broker import announce_models, model_last_seen
 

@@ -31,6 +31,9 @@ class FakeCelery:
     def task_state(self, task_id: str) -> tuple[str, float | None]:
         return self.states.get(task_id, ("PENDING", None))
 
+    def failure_of(self, task_id: str) -> str:
+        return "ResultNotPublished('results topic unreachable')"
+
     def model_last_seen(self, model: str) -> float | None:
         return self.seen.get(model)
 
@@ -124,15 +127,35 @@ def test_an_order_still_queued_is_left_alone_until_the_pending_bound(
     assert watchdog.check() == [order.request.job_id] and celery.sent == [order]
 
 
-@pytest.mark.parametrize("state", ["SUCCESS", "FAILURE"])
-def test_an_order_celery_finished_is_never_sent_again(
-    state: str, ledger: SqliteLedger, tmp_path: Path
-) -> None:
+def test_an_order_celery_finished_is_never_sent_again(ledger: SqliteLedger, tmp_path: Path) -> None:
     watchdog, celery, clock, published = setup(ledger, tmp_path)
     order = dispatch(ledger, clock.now)
-    celery.states[order.request.job_id] = (state, None)
+    celery.states[order.request.job_id] = ("SUCCESS", None)  # its result was published: it comes
     clock.now += 10_000
     assert watchdog.check() == [] and celery.sent == [] and published == []
+
+
+def test_an_order_that_failed_in_its_worker_without_an_answer_is_answered_failed(
+    ledger: SqliteLedger, tmp_path: Path
+) -> None:
+    # The task's own retries ran out (its result could not be published), or the hard time limit killed it:
+    # nothing else will ever answer the request.
+    watchdog, celery, clock, published = setup(ledger, tmp_path)
+    order = dispatch(ledger, clock.now)
+    job = order.request.job_id
+    celery.states[job] = ("FAILURE", None)
+    clock.now += 10  # before order_check_after_s: a result may still be on its way
+    assert watchdog.check() == [] and published == []
+    clock.now += 30
+    assert watchdog.check() == [job]
+    assert celery.sent == [] and celery.answered == [job]  # not sent again; a copy still queued skips it
+    [raw] = published
+    failed = GenerationResult.model_validate_json(raw)
+    assert failed.status is ResultStatus.FAILED and failed.error is not None
+    assert failed.error.code == "worker_failed" and "ResultNotPublished" in failed.error.message
+    assert failed.request_key == order.request.answer_key
+    assert ledger.state(job) == RequestState.FAILED
+    assert watchdog.check() == []  # answered once
 
 
 def test_an_answered_request_is_no_longer_watched(ledger: SqliteLedger, tmp_path: Path) -> None:
