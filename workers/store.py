@@ -19,12 +19,17 @@ import certifi
 import urllib3
 from minio import Minio
 from minio.deleteobjects import DeleteObject
-from minio.error import S3Error
-from urllib3.exceptions import HTTPError as TransportError
+from minio.error import InvalidResponseError, S3Error, ServerError
+from urllib3.exceptions import HTTPError
 
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+# Failures that are not an S3 error document: the connection (urllib3), or an answer that is not S3's — an HTML
+# 413/429/502 page from a proxy or load balancer, an empty or non-XML body (minio's InvalidResponseError and
+# ServerError, which are not S3Error).
+TRANSPORT_ERRORS = (HTTPError, InvalidResponseError, ServerError)
 
 
 class ObjectMissing(KeyError):
@@ -104,7 +109,7 @@ class ObjectStore:
             # Another worker may have created it between the check and the create.
             if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise StoreError(f"cannot create bucket {self.bucket!r}: {exc}") from exc
-        except TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise StoreError(f"object store {self.endpoint} unreachable: {exc}") from exc
 
     def put(
@@ -141,7 +146,7 @@ class ObjectStore:
                 content_type=content_type,
                 metadata={"sha256": hashlib.sha256(data).hexdigest()},
             )
-        except (S3Error, TransportError) as exc:
+        except (S3Error, *TRANSPORT_ERRORS) as exc:
             raise StoreError(f"cannot write {self.uri(key)}: {exc}") from exc
         return StoredObject(key=key, size=len(data), uri=self.uri(key))
 
@@ -152,11 +157,11 @@ class ObjectStore:
             if exc.code in ("NoSuchKey", "NoSuchBucket"):
                 raise ObjectMissing(self.uri(key)) from exc
             raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
-        except TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
         try:
             return response.read()
-        except TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
         finally:
             response.close()
@@ -173,12 +178,12 @@ class ObjectStore:
             if exc.code in ("NoSuchKey", "NoSuchBucket"):
                 raise ObjectMissing(self.uri(key)) from exc
             raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
-        except TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
         try:
             data = response.read()
             claimed = response.headers.get("x-amz-meta-sha256")
-        except TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise StoreError(f"cannot read {self.uri(key)}: {exc}") from exc
         finally:
             response.close()
@@ -194,7 +199,7 @@ class ObjectStore:
             if exc.code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
                 return False
             raise StoreError(f"cannot stat {self.uri(key)}: {exc}") from exc
-        except TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise StoreError(f"cannot stat {self.uri(key)}: {exc}") from exc
         return True
 
@@ -218,7 +223,7 @@ class ObjectStore:
             if exc.code == "NoSuchBucket":
                 return 0
             raise StoreError(f"cannot delete under {self.uri(prefix)}: {exc}") from exc
-        except TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise StoreError(f"cannot delete under {self.uri(prefix)}: {exc}") from exc
         if errors:
             raise StoreError(f"could not delete {len(errors)} objects under {prefix!r}: {errors[0]}")

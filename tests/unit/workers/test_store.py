@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from moto.server import ThreadedMotoServer
@@ -70,3 +72,53 @@ def test_a_write_gives_up_when_its_retry_window_is_spent() -> None:
     with pytest.raises(StoreError, match="cannot write"):
         store.put("videos/r.mp4", b"video")
     assert pauses and 1.5 <= time.monotonic() - start <= 15.0
+
+
+class _ProxyPage(BaseHTTPRequestHandler):
+    """What a proxy or load balancer in front of the store answers when it throttles: not S3's XML."""
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        page = b"<html><body>Too Many Requests</body></html>"
+        self.send_response(413 if self.command == "PUT" else 429)  # what urllib3 does not retry
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(page)
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _answer
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_an_answer_that_is_not_s3s_is_a_store_error() -> None:
+    # minio raises InvalidResponseError / ServerError for these, which are not S3Error: every caller that expects
+    # a StoreError (a donor fetch falls back, a failed upload is served without its trajectory) must get one.
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ProxyPage)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    store = ObjectStore(
+        f"127.0.0.1:{server.server_address[1]}",
+        "chorus-test",
+        access_key="k",
+        secret_key="s",
+        timeout_s=2.0,
+        write_retry_s=0.0,
+    )
+    try:
+        for call in (
+            lambda: store.get("videos/r.mp4"),
+            lambda: store.get_verified("videos/r.mp4"),
+            lambda: store.put("videos/r.mp4", b"video"),
+            lambda: store.exists("videos/r.mp4"),
+            lambda: store.delete_prefix("trajectories/r/"),
+        ):
+            with pytest.raises(StoreError):
+                call()
+    finally:
+        server.shutdown()
+        server.server_close()
