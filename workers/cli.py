@@ -119,6 +119,11 @@ def worker(
         with announcing(app, models, settings.worker_presence_s):
             app.worker_main(argv)
     finally:
+        # Celery sends worker_process_shutdown from prefork's children only: under the solo and threads pools
+        # the orders ran here, and their trajectory uploads (daemon threads) would die with the process.
+        from workers.runner import close_runners
+
+        close_runners()
         if exposition is not None:
             exposition.close()
 
