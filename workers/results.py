@@ -37,7 +37,13 @@ log = logging.getLogger(__name__)
 
 
 class ResultNotPublished(RuntimeError):
-    """The results topic did not take the result; the task is retried (a bounded number of times)."""
+    """The results topic did not take the result; the task retries publishing ``result`` (a bounded number of
+    times), not the order. ``result`` is an attribute, not an argument: Celery rebuilds an exception from its
+    message alone."""
+
+    def __init__(self, message: str, result: GenerationResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class PhaseClock:
@@ -219,7 +225,8 @@ class ResultPublisher:
         except KafkaError as exc:
             metrics().publish_errors.inc()
             raise ResultNotPublished(
-                f"result of {result.request_id} not published to {self.settings.kafka_results_topic}: {exc!r}"
+                f"result of {result.request_id} not published to {self.settings.kafka_results_topic}: {exc!r}",
+                result,
             ) from exc
         log.info(
             "result published",

@@ -225,14 +225,26 @@ class Runner:
             )
         else:
             result = self._run_safely(order, worker, progress, started)
-        try:
-            self.publisher.publish(result)
-        except BaseException:
-            # The order will run again: this attempt's trajectory upload ends first, so that it cannot write to
-            # (or, failing, delete) the retry's objects under the same prefix.
-            self.wait_for_uploads(prefix=trajectory_prefix(order.request.job_id))
-            raise
+        # ResultNotPublished carries the result: the task retries publishing it, not the order (whose trajectory
+        # upload goes on meanwhile, as after any result).
+        self.publisher.publish(result)
         worker_metrics.observe_result(result, order)
+        return result
+
+    def publish_again(self, order_json: str, result_json: str) -> GenerationResult:
+        """Publish the result an earlier delivery of the order built but could not publish (the order does not
+        run again); raises ``ResultNotPublished`` again if Kafka still refuses it."""
+        result = GenerationResult.model_validate_json(result_json)
+        try:
+            order: WorkOrder | None = WorkOrder.model_validate_json(order_json)
+        except ValidationError:
+            order = None  # answered invalid_order: its metrics count it without one
+        self.publisher.publish(result)
+        worker_metrics.observe_result(result, order)
+        log.info(
+            "result published on a retry; the order did not run again",
+            extra={"request_id": result.request_id},
+        )
         return result
 
     def _run_safely(

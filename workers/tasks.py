@@ -6,7 +6,8 @@
 
 Neither task lets an exception escape for bad input or a failed generation: the generate task publishes a
 ``failed`` result instead, so Celery never retries a request forever. Only a result that could not be published
-(``ResultNotPublished``) and an eviction the store refused (``StoreError``) are retried, a bounded number of times.
+(``ResultNotPublished``) and an eviction the store refused (``StoreError``) are retried, a bounded number of times;
+a result is retried as what it is (the task's ``result_json``), so the order does not run again for a Kafka blip.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pydantic import ValidationError
 
 from producer import broker
 from producer.broker import ANSWERED_SUFFIX, ATTEMPTS_SUFFIX
+from producer.contract import GenerationResult
 from producer.orders import EVICT_TASK, GENERATE_TASK, HEARTBEAT_FIELD, EvictOrder
 from workers.metrics import busy, metrics
 from workers.results import ResultNotPublished
@@ -45,10 +47,7 @@ def register(app: Celery) -> None:
         name=GENERATE_TASK,
         bind=True,
         shared=False,
-        autoretry_for=(ResultNotPublished,),
         max_retries=settings.result_publish_retries,
-        retry_backoff=2,
-        retry_jitter=False,
     )(generate)
     app.task(
         name=EVICT_TASK,
@@ -61,8 +60,14 @@ def register(app: Celery) -> None:
     )(evict)
 
 
-def generate(self: Task, order_json: str) -> dict[str, Any]:
-    """Run one ``WorkOrder``; publishes its ``GenerationResult`` and returns a short summary."""
+def publish_retry_countdown(retries: int) -> float:
+    """Seconds before the next try to publish a result, after ``retries`` retries: 2, 4, 8, ..."""
+    return float(2 ** (retries + 1))
+
+
+def generate(self: Task, order_json: str, result_json: str | None = None) -> dict[str, Any]:
+    """Run one ``WorkOrder``; publishes its ``GenerationResult`` and returns a short summary. With
+    ``result_json`` (a retry after Kafka refused it), only that result is published."""
     from workers.runner import runner_for
 
     started = time.perf_counter()  # the checks below are the order's "prepare" phase
@@ -72,6 +77,30 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
         # died while the scheduler's watchdog sent it again. Running it would publish a second result.
         log.info("order already answered; this delivery is skipped", extra={"task_id": self.request.id})
         return {"task_id": self.request.id, "skipped": "already answered"}
+    try:
+        if result_json is not None:
+            result = runner_for(settings).publish_again(order_json, result_json)
+            mark_answered(self)
+            return _summary(result, attempt=None)
+        return _run_order(self, settings, order_json, started)
+    except ResultNotPublished as exc:
+        if exc.result is None:
+            raise
+        log.warning(
+            "result not published; publishing it again later (the order does not run again)",
+            extra={"task_id": self.request.id, "retries": self.request.retries, "error": str(exc)[:300]},
+        )
+        raise self.retry(
+            args=(order_json,),
+            kwargs={"result_json": exc.result.model_dump_json()},
+            exc=exc,
+            countdown=publish_retry_countdown(self.request.retries),
+        ) from exc
+
+
+def _run_order(self: Task, settings: WorkerSettings, order_json: str, started: float) -> dict[str, Any]:
+    from workers.runner import runner_for
+
     attempt = count_attempt(self)
     state: dict[str, Any] = {}
     lock = threading.Lock()
@@ -96,6 +125,11 @@ def generate(self: Task, order_json: str) -> dict[str, Any]:
             order_json, worker=self.request.hostname, attempt=attempt, progress=progress, started=started
         )
     mark_answered(self)
+    return _summary(result, attempt=attempt)
+
+
+def _summary(result: GenerationResult, *, attempt: int | None) -> dict[str, Any]:
+    """What the task returns (Celery's result backend keeps it): the result in short."""
     return {
         "request_id": result.request_id,
         "status": str(result.status),

@@ -357,6 +357,38 @@ def test_an_order_delivered_too_often_is_answered_failed(
     assert summary["attempt"] == wsettings.task_max_attempts + 1
 
 
+def test_a_result_kafka_refused_is_published_again_without_running_the_order_again(
+    worker: Celery, client: Celery, results: ResultWatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kafka.errors
+
+    import workers.results
+    from workers.runner import Runner
+
+    request = request_like("an order whose first result Kafka refuses")
+    publish, refused, ran = workers.results.bus.publish, [], []
+
+    def flaky_publish(producer: Any, topic: str, key: str, value: bytes, **kw: Any) -> None:
+        if key == request.request_id and not refused:
+            refused.append(key)
+            raise kafka.errors.KafkaTimeoutError("flush timed out")  # a broker blip
+        publish(producer, topic, key, value, **kw)
+
+    run_safely = Runner._run_safely
+
+    def counted(self: Runner, order: WorkOrder, *args: Any, **kw: Any) -> GenerationResult:
+        ran.append(order.request.request_id)
+        return run_safely(self, order, *args, **kw)
+
+    monkeypatch.setattr(workers.results.bus, "publish", flaky_publish)
+    monkeypatch.setattr(Runner, "_run_safely", counted)
+    result, summary = run(client, results, order_for(request))
+    assert refused == [request.request_id]
+    assert result.status is ResultStatus.DONE and summary["status"] == "done"
+    assert ran == [request.request_id]  # the retry published the result it had; the order ran once
+    assert summary["attempt"] is None  # the summary of the retry that published it
+
+
 def test_a_second_copy_of_an_answered_order_is_skipped_not_run_again(
     worker: Celery,
     client: Celery,
