@@ -366,7 +366,9 @@ def test_a_result_kafka_refused_is_published_again_without_running_the_order_aga
     from workers.runner import Runner
 
     request = request_like("an order whose first result Kafka refuses")
-    publish, refused, ran = workers.results.bus.publish, [], []
+    publish = workers.results.bus.publish
+    refused: list[str] = []
+    ran: list[str] = []
 
     def flaky_publish(producer: Any, topic: str, key: str, value: bytes, **kw: Any) -> None:
         if key == request.request_id and not refused:
