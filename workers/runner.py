@@ -482,8 +482,8 @@ class Runner:
 
     def _discard_trajectory(self, job: str, uploader: TrajectoryUploader) -> None:
         """Delete what of ``job``'s trajectory may have been stored (a write whose reply was lost counts); what was
-        still streaming ends first."""
-        uploader.stop()
+        still streaming is dropped, but for the put under way."""
+        uploader.abandon()
         if not uploader.may_have_stored:
             return
         try:

@@ -420,6 +420,26 @@ def test_storing_the_header_waits_for_the_background_upload_instead_of_putting_i
     assert puts.count(header_key(prefix)) == 1
 
 
+def test_an_abandoned_upload_drops_its_backlog_and_waits_only_for_the_put_under_way(
+    store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traj = make_trajectory("abandoned", steps=6)
+    prefix = trajectory_prefix(traj.meta.request_id)
+    puts = _puts_of(store, monkeypatch, delay_s=0.3)  # a slow store: the backlog would take ~2 s
+    uploader = TrajectoryUploader(store, prefix)
+    uploader.start()
+    uploader.on_start(Trajectory(traj.meta, traj.initial))
+    for record in traj.steps:
+        uploader.on_step(record)
+    deadline = time.monotonic() + 10
+    while not puts and time.monotonic() < deadline:  # the header's put is under way
+        time.sleep(0.01)
+    started = time.monotonic()
+    uploader.abandon()
+    assert time.monotonic() - started < 0.9  # one put's 0.3 s, not the backlog's 2.1 s
+    assert len(puts) <= 2 and uploader.may_have_stored
+
+
 @pytest.mark.parametrize("pack_max_bytes", [0, 1 << 20], ids=["streamed", "packed"])
 def test_storing_the_header_puts_it_itself_when_no_upload_thread_will(
     store: ObjectStore, pack_max_bytes: int
