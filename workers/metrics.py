@@ -27,7 +27,8 @@ metric                                                         type       where
 ``chorus_request_duration_seconds{status}``                    histogram  submission → result published
 ``chorus_worker_steps_requested_total{model}``                 counter    denoising steps asked for (done)
 ``chorus_worker_steps_computed_total{model}``                  counter    transformer passes run (done)
-``chorus_worker_token_steps_computed_total{model}``            counter    steps × tokens-computed fraction (done)
+``chorus_worker_token_steps_computed_total{model}``            counter    steps × tokens-computed fraction, and a
+                                                                          rejected donor check's pass (done)
 ``chorus_worker_tokens_computed_fraction{role}``               histogram  per done request
 ``chorus_worker_fallbacks_total{cause}``                       counter    each planned reuse that did not happen
 ``chorus_worker_follower_wait_seconds``                        histogram  a follower's time blocked on its leader
@@ -297,7 +298,12 @@ def observe_result(result: GenerationResult, order: WorkOrder | None) -> None:
         m.phase_seconds.labels(phase=phase).observe(seconds)
     m.steps_requested.labels(model=model).inc(result.steps_requested)
     m.steps_computed.labels(model=model).inc(result.steps_computed)
-    m.token_steps_computed.labels(model=model).inc(result.steps_requested * result.tokens_computed_fraction)
+    # What the worker computed, the donor check's thrown-away pass too (the result's fraction leaves it out: it
+    # says what the video is made of): the saving read from these counters is the one the GPU saw.
+    wasted = result.verification.wasted_tokens_fraction if result.verification is not None else 0.0
+    m.token_steps_computed.labels(model=model).inc(
+        result.steps_requested * result.tokens_computed_fraction + wasted
+    )
     m.tokens_fraction.labels(role=role).observe(result.tokens_computed_fraction)
 
 

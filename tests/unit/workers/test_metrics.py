@@ -21,6 +21,7 @@ from producer.contract import (
     PhaseTimings,
     ResultStatus,
     ReusePlan,
+    VerificationReport,
     build_request,
 )
 from producer.orders import DonorRef, Role, WorkOrder
@@ -103,6 +104,19 @@ def test_a_done_result_that_used_its_donor_counts_steps_phases_and_latency(
     assert sample(registry, "chorus_worker_phase_duration_seconds_count", phase="upload") == 1
     assert sample(registry, "chorus_request_duration_seconds_sum", status="done") == pytest.approx(7.0)
     assert sample(registry, "chorus_worker_tokens_computed_fraction_count", role="follower") == 1
+
+
+def test_a_rejected_donor_checks_thrown_away_pass_counts_as_computed(
+    fresh: tuple[wm.WorkerMetrics, CollectorRegistry],
+) -> None:
+    _, registry = fresh
+    o = order(Role.FOLLOWER)
+    check = VerificationReport(
+        decision="rejected", signal=0.9, step=1, stage1_steps=0, wasted_tokens_fraction=0.5
+    )
+    wm.observe_result(result_for(o, tcf=1.0).model_copy(update={"verification": check}), o)
+    # the four steps in full, and half a step thrown away
+    assert sample(registry, "chorus_worker_token_steps_computed_total", model=MODEL) == pytest.approx(4.5)
 
 
 def test_reuse_label_matches_what_the_scheduler_counts_as_a_hit(
