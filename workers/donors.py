@@ -296,7 +296,7 @@ class TrajectoryUploader:
         self._lock = threading.Lock()
         self._header_queued = False  # the background thread has the header (or the packed object) to store
         self._header_stored = threading.Event()
-        self._abandoned = False  # the trajectory is being discarded: what is queued is not stored
+        self._discarding = False  # the trajectory is being discarded: what is queued is not stored
         self.streamed = 0
 
     @property
@@ -335,7 +335,7 @@ class TrajectoryUploader:
             item = self._queue.get()
             if item is self._STOP:
                 return
-            if self._error is not None or self._abandoned:
+            if self._error is not None or self._discarding:
                 continue  # after a failure nothing more is uploaded here; ``finish`` retries what is missing
             try:
                 assert isinstance(item, tuple)
@@ -356,7 +356,7 @@ class TrajectoryUploader:
     def abandon(self) -> None:
         """Stop uploading a trajectory that is being discarded: what is queued is dropped, and only the put under
         way is waited for (a failed request after its soft time limit must not upload its backlog first)."""
-        self._abandoned = True
+        self._discarding = True
         self.stop()
 
     # --- whole trajectory -----------------------------------------------------------------------------------

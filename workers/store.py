@@ -203,6 +203,17 @@ class ObjectStore:
             raise StoreError(f"cannot stat {self.uri(key)}: {exc}") from exc
         return True
 
+    def delete(self, key: str) -> None:
+        """Delete one object (one that is not there is no error)."""
+        try:
+            self.client.remove_object(self.bucket, key)
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchBucket"):
+                return
+            raise StoreError(f"cannot delete {self.uri(key)}: {exc}") from exc
+        except TRANSPORT_ERRORS as exc:
+            raise StoreError(f"cannot delete {self.uri(key)}: {exc}") from exc
+
     def list(self, prefix: str = "") -> Iterator[StoredObject]:
         for obj in self.client.list_objects(self.bucket, prefix=prefix, recursive=True):
             name = obj.object_name or ""

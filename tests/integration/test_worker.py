@@ -33,6 +33,7 @@ from producer.orders import (
     EvictOrder,
     Role,
     WorkOrder,
+    abandoned_key,
     header_key,
     queue_for,
     step_key,
@@ -503,6 +504,28 @@ def test_a_leader_that_fails_midway_leaves_no_partial_trajectory(
     assert list(store.list(trajectory_prefix(request.request_id))) == []
     (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
     assert published.status is ResultStatus.FAILED
+
+
+def test_a_leader_that_starts_clears_a_mark_that_it_was_gone(
+    wsettings: WorkerSettings, results: ResultWatcher, store: ObjectStore
+) -> None:
+    # Left by a follower of an earlier run under this job id (or one that waited while this order was queued):
+    # it would make every follower of this run give up at once.
+    from workers.runner import Runner
+
+    request = request_like("a leader run again under its job id")
+    marker = abandoned_key(trajectory_prefix(request.job_id))
+    store.put(marker, b"", content_type="text/plain")
+    runner = Runner(wsettings)
+    try:
+        result = runner.handle(order_for(request, role=Role.LEADER).model_dump_json(), worker="test")
+        assert runner.wait_for_uploads(60)
+    finally:
+        runner.publisher.close()
+    assert result.status is ResultStatus.DONE, result.error
+    assert not store.exists(marker)
+    (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
+    assert published.status is ResultStatus.DONE
 
 
 class _WriteRefused(ObjectStore):
