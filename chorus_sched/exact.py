@@ -68,6 +68,13 @@ class ExactHits:
         return f"exact:{scope}:{request.fingerprint}"
 
     # --- intake ----------------------------------------------------------------------------------------------
+    def twin_key(self, request: GenerationRequest) -> str | None:
+        """What identical requests share, for a request that would wait for an identical one running (None: one
+        that would not): the intake holds back a poll's second identical request until the first is dispatched."""
+        if request.reuse is not ReusePolicy.AUTO or not self.settings.exact_hits or request.keep_seed:
+            return None
+        return self._scope(request)
+
     def admit(self, request: GenerationRequest) -> ExactOutcome:
         """Serve, coalesce or let run one claimed request (``reuse: off`` always runs)."""
         if request.reuse is ReusePolicy.OFF or not self.settings.exact_hits:

@@ -88,30 +88,41 @@ class Intake:
 
     def handle_requests(self, messages: Sequence[Message]) -> BatchOutcome:
         progress = Progress()
-        accepted = self._admit(messages, progress)
+        accepted, twins = self._admit(messages, progress)
+        self._schedule_accepted(accepted, progress)
+        if twins:
+            # Identical to a request accepted earlier in this poll, which is dispatched now: each waits for its
+            # result (an exact hit, coalesced), or runs if it could not be dispatched.
+            again = [(m, r) for m, r in twins if not self._answered_exactly(m, r, progress)]
+            self._schedule_accepted(again, progress)
+        return finish(progress, self.stats)
+
+    def _schedule_accepted(
+        self, accepted: list[tuple[Message, GenerationRequest]], progress: Progress
+    ) -> None:
         if not accepted:
-            return finish(progress, self.stats)
+            return
         # A poll interleaves partitions arbitrarily; scheduling in submission order lets an earlier request lead
         # the later similar ones, as it would have had they arrived in separate polls (stable for equal times).
         accepted.sort(key=lambda item: item[1].submitted_at)
-
         try:
             with METRICS.phase("embed"):
                 vectors = self._embed_requests([r for _, r in accepted])
         except Exception as exc:
             for m, request in accepted:
                 self._failed(m, progress, exc, request)
-            return finish(progress, self.stats)
-
+            return
         self._schedule_groups(accepted, vectors, progress)
-        return finish(progress, self.stats)
 
     def _admit(
         self, messages: Sequence[Message], progress: Progress
-    ) -> list[tuple[Message, GenerationRequest]]:
+    ) -> tuple[list[tuple[Message, GenerationRequest]], list[tuple[Message, GenerationRequest]]]:
         """Parse and claim each message: the requests to schedule now (an invalid message is dead-lettered, a
-        duplicate skipped, a request another instance holds left for a retry)."""
+        duplicate skipped, a request another instance holds left for a retry), and those identical to one of them
+        (held back until it is dispatched, ``handle_requests``)."""
         accepted: list[tuple[Message, GenerationRequest]] = []
+        twins: list[tuple[Message, GenerationRequest]] = []
+        twin_keys: set[str] = set()
         in_batch: set[str] = set()
         for m in messages:
             progress.seen(m)
@@ -178,10 +189,16 @@ class Intake:
                     self._failed(m, progress, exc, request)
                     continue
                 in_batch.add(request.job_id)
+                twin = self.exact.twin_key(request)
+                if twin is not None and twin in twin_keys:
+                    twins.append((m, request))
+                    continue
                 if self._answered_exactly(m, request, progress):
                     continue
+                if twin is not None:
+                    twin_keys.add(twin)
                 accepted.append((m, request))
-        return accepted
+        return accepted, twins
 
     def _answer_resend(
         self, m: Message, request: GenerationRequest, state: RequestState | None, progress: Progress

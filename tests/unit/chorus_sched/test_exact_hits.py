@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from kafka.structs import TopicPartition
 
 from producer.contract import (
     GenerationResult,
@@ -13,7 +14,8 @@ from producer.contract import (
     ReuseKind,
     ReusePlan,
 )
-from tests.helpers.scheduler_fakes import PROMPT, Msg, Ports, done, make_ports, request
+from producer.orders import WorkOrder
+from tests.helpers.scheduler_fakes import PROMPT, REQUESTS, Msg, Ports, done, make_ports, request
 
 
 @pytest.fixture
@@ -73,6 +75,36 @@ def test_identical_requests_in_flight_are_coalesced_onto_the_one_running(ports: 
     answers = ports.results()
     assert sorted(a.request_id for a in answers) == ["twin-0", "twin-1"]
     assert all(a.reuse is ReuseKind.EXACT and a.served_from == "runner" for a in answers)
+
+
+def test_identical_requests_in_one_poll_run_once_and_the_others_wait_for_its_result(ports: Ports) -> None:
+    twins = [request(request_id=f"twin-{i}", seed=3) for i in range(3)]
+    ports.scheduler.handle_requests([Msg(t.to_bytes(), i) for i, t in enumerate(twins)])
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["twin-0"]  # run once, not led
+    assert ports.scheduler.stats.exact_hits == 2 and ports.results() == []
+    ports.scheduler.handle_results([Msg(done("twin-0").to_bytes(), 0, topic="results")])
+    answers = ports.results()
+    assert sorted(a.request_id for a in answers) == ["twin-1", "twin-2"]
+    assert all(a.reuse is ReuseKind.EXACT and a.served_from == "twin-0" for a in answers)
+
+
+def test_a_twin_whose_first_could_not_be_dispatched_is_scheduled_itself(ports: Ports) -> None:
+    send = ports.dispatcher.generate
+    refused: list[str] = []
+
+    def broker_refuses_the_first(order: WorkOrder) -> None:
+        if not refused:
+            refused.append(order.request.request_id)
+            raise OSError("broker unreachable")  # left for a retry
+        send(order)
+
+    ports.dispatcher.generate = broker_refuses_the_first  # type: ignore[method-assign]
+    twins = [request(request_id=f"twin-{i}", seed=3) for i in range(2)]
+    outcome = ports.scheduler.handle_requests([Msg(t.to_bytes(), i) for i, t in enumerate(twins)])
+    assert refused == ["twin-0"] and [o.request.request_id for o in ports.dispatcher.orders] == ["twin-1"]
+    assert outcome.retry == {
+        TopicPartition(REQUESTS, 0): 0
+    }  # twin-0 is read again (and then waits for twin-1)
 
 
 def test_requests_waiting_for_a_run_that_failed_are_run_in_full(ports: Ports) -> None:
