@@ -106,13 +106,14 @@ def produce(
         prompt, file, request_id, fields, skip_invalid=skip_invalid, as_json=as_json, out=out, err=err
     )
     sent, results = _publish_and_follow(settings, requests, wait, timeout, as_json=as_json, out=out, err=err)
-    missing = [rid for rid in sent if rid not in results] if wait else []
+    # Results are keyed by job id (tenant and request id): two tenants may send the same id in one file.
+    missing = [r.request_id for r in requests if r.job_id not in results] if wait else []
     if as_json:
         doc = {
             "topic": settings.kafka_requests_topic,
             "sent": sent,
             "invalid": invalid,
-            "results": [results[rid].model_dump(mode="json") for rid in sent if rid in results],
+            "results": [results[r.job_id].model_dump(mode="json") for r in requests if r.job_id in results],
             "missing": missing,
         }
         _print_json(doc)
@@ -243,7 +244,7 @@ def _collect(
         task = bar.add_task("wait", total=len(requests))
         # The requests, not their ids: a result must match the tenant too (ids are per tenant).
         for result in watcher.wait(requests, timeout_s=timeout_s):
-            results[result.request_id] = result
+            results[result.job_id] = result
             bar.advance(task)
     return results
 
@@ -263,9 +264,12 @@ def _table(requests: list[GenerationRequest], results: dict[str, GenerationResul
     ):
         table.add_column(column, overflow="fold")
     for request in requests:
-        r = results.get(request.request_id)
+        r = results.get(request.job_id)
+        name = (
+            request.request_id if request.tenant == "default" else f"{request.request_id} ({request.tenant})"
+        )
         if r is None:
-            table.add_row(escape(request.request_id), "[red]no result[/]", *[""] * 7)
+            table.add_row(escape(name), "[red]no result[/]", *[""] * 7)
             continue
         status = "[green]done[/]" if r.status is ResultStatus.DONE else f"[red]{r.status}[/]"
         donor = f"{r.donor.request_id} ({r.donor.similarity:.2f})" if r.donor else "-"
@@ -277,7 +281,7 @@ def _table(requests: list[GenerationRequest], results: dict[str, GenerationResul
         reuse = str(r.reuse) + ("" if r.seed_honoured else ", donor's seed")
         reuse += ", answered before" if r.answers_resend and r.status is ResultStatus.DONE else ""
         table.add_row(
-            escape(r.request_id),
+            escape(name),
             status,
             escape(reuse),
             escape(donor),

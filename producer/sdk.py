@@ -97,10 +97,11 @@ def parse_jsonl(lines: Iterable[str | bytes], *, defaults: dict[str, Any] | None
     Lines may be bytes (a file read as it is): one that is not UTF-8 is an error of its own line, not the file's.
 
     ``defaults`` fill fields a line does not set (a line's own values win). A ``request_id`` repeated within
-    the batch is an error on the later line (rule ``duplicate``): one id must name one request.
+    the batch for one tenant is an error on the later line (rule ``duplicate``): one id must name one request
+    (ids are per tenant: two tenants may each use it).
     """
     batch = Batch()
-    seen: dict[str, int] = {}
+    seen: dict[str, int] = {}  # job id (tenant and request id) -> line
     for number, line in enumerate(lines, start=1):
         text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
         if not text.strip():  # Unicode whitespace too, as for a text line
@@ -110,16 +111,17 @@ def parse_jsonl(lines: Iterable[str | bytes], *, defaults: dict[str, Any] | None
         except ContractError as exc:
             batch.errors.append(LineError(number, exc.issues))
             continue
-        first = seen.get(request.request_id)
+        first = seen.get(request.job_id)
         if first is not None:
+            tenant = "" if request.tenant == "default" else f" for tenant {request.tenant!r}"
             issue = FieldIssue(
                 field="request_id",
                 rule="duplicate",
-                message=f"request_id {request.request_id!r} already used on line {first}",
+                message=f"request_id {request.request_id!r} already used{tenant} on line {first}",
             )
             batch.errors.append(LineError(number, [issue]))
             continue
-        seen[request.request_id] = number
+        seen[request.job_id] = number
         batch.requests.append((number, request))
     return batch
 
@@ -195,12 +197,12 @@ class ChorusClient:
     def submit_many(
         self, requests: Iterable[GenerationRequest], *, on_sent: Callable[[str], None] | None = None
     ) -> list[str]:
-        """Publish validated requests (ids must be unique), each stamped as it is sent (``stamped``); returns their
-        ids once the broker has all of them."""
+        """Publish validated requests (ids must be unique per tenant), each stamped as it is sent (``stamped``);
+        returns their ids once the broker has all of them."""
         items = list(requests)
         ids = [r.request_id for r in items]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids in one batch must be unique")
+        if len({r.job_id for r in items}) != len(items):
+            raise ValueError("request ids in one batch must be unique per tenant")
         try:
             bus.publish_many(
                 self.producer,

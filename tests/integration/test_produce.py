@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from producer import bus
-from producer.contract import ErrorInfo, GenerationResult, ResultStatus, parse_request
+from producer.contract import ErrorInfo, GenerationResult, ResultStatus, build_request, parse_request
 from producer.sdk import read_requests
 from producer.settings import KafkaSettings
 
@@ -151,10 +151,11 @@ def respond(settings: KafkaSettings, answers: dict[str, ResultStatus]) -> None:
     try:
         for received in read_requests(settings, group_id="responder", timeout_s=120, limit=len(answers)):
             assert received.request is not None
-            request_id = received.request.request_id
-            status = answers[request_id]
+            request_id, tenant = received.request.request_id, received.request.tenant
+            status = answers.get(received.request.job_id) or answers[request_id]  # keyed by job id, or by id
             result = GenerationResult(
                 request_id=request_id,
+                tenant=tenant,
                 status=status,
                 video_uri=f"s3://b/videos/{request_id}.mp4" if status is ResultStatus.DONE else None,
                 error=ErrorInfo(code="engine_error", message="boom")
@@ -183,6 +184,27 @@ def test_produce_wait_prints_each_result_and_fails_on_a_failed_one(
     assert doc["missing"] == []
     assert {r["request_id"]: r["status"] for r in doc["results"]} == {"w-done": "done", "w-failed": "failed"}
     assert next(r for r in doc["results"] if r["status"] == "failed")["error"]["code"] == "engine_error"
+
+
+def test_produce_sends_one_id_for_two_tenants_and_shows_each_its_own_result(
+    kafka_settings: KafkaSettings, tmp_path: Path
+) -> None:
+    ours, theirs = (
+        build_request(prompt="x", request_id="t-1"),
+        build_request(prompt="x", request_id="t-1", tenant="acme"),
+    )
+    answers = {ours.job_id: ResultStatus.DONE, theirs.job_id: ResultStatus.FAILED}
+    batch = tmp_path / "tenants.jsonl"
+    lines = [{"request_id": "t-1", "prompt": "x"}, {"request_id": "t-1", "prompt": "x", "tenant": "acme"}]
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    responder = threading.Thread(target=respond, args=(kafka_settings, answers), daemon=True)
+    responder.start()
+    done = produce(kafka_settings, "--file", str(batch), "--wait", "--timeout", "120", "--json")
+    responder.join(timeout=60)
+    assert done.returncode == 1, done.stderr  # acme's failed
+    doc = json.loads(done.stdout)
+    assert doc["missing"] == [] and doc["sent"] == ["t-1", "t-1"]
+    assert {(r["tenant"], r["status"]) for r in doc["results"]} == {("default", "done"), ("acme", "failed")}
 
 
 def test_produce_wait_gives_up_after_its_timeout_and_names_what_is_missing(

@@ -96,6 +96,18 @@ def test_a_repeated_request_id_is_an_error_on_the_later_line(ids: list[str]) -> 
         assert f"line {first[ids[error.line - 1]]}" in error.issues[0].message
 
 
+def test_one_request_id_may_be_used_by_two_tenants_but_not_twice_by_one() -> None:
+    lines = [
+        json.dumps({"prompt": "x", "request_id": "same"}),
+        json.dumps({"prompt": "x", "request_id": "same", "tenant": "acme"}),
+        json.dumps({"prompt": "y", "request_id": "same", "tenant": "acme"}),
+    ]
+    batch = parse_jsonl(lines)
+    assert [(n, r.tenant) for n, r in batch.requests] == [(1, "default"), (2, "acme")]
+    [error] = batch.errors
+    assert error.line == 3 and "for tenant 'acme' on line 2" in error.issues[0].message
+
+
 def test_defaults_fill_only_what_a_line_leaves_out() -> None:
     lines = [
         json.dumps({"prompt": "one"}),
