@@ -42,6 +42,7 @@ JSON report (stdout with ``--json``, and ``--out``)::
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 from dataclasses import dataclass, replace
@@ -329,6 +330,13 @@ def _parse(args: QualityArgs) -> _Parsed:
 
     step_list = _ints(args.steps, "--num-steps")
     row_list = _names(args.rows, suite.ROW_KINDS, "--rows")
+    cached = [r for r in row_list if "cachedit" in r]
+    if cached and importlib.util.find_spec("cache_dit") is None:
+        raise typer.BadParameter(
+            f"--rows {','.join(cached)} needs cache-dit, which the bench extra installs (`./scripts/setup.sh dev`, "
+            f"or `pip install -e '.[bench]'`); or leave it out: --rows "
+            + ",".join(r for r in row_list if r not in cached)
+        )
     class_list = _names(args.classes, PAIR_CLASSES, "--classes")
     judged = _names(args.judge, ATTRIBUTE_NAMES, "--judge")
     if not judged:

@@ -53,6 +53,21 @@ def test_quality_refuses_a_value_under_both_names() -> None:
     assert "give --num-steps once" in result.output
 
 
+def test_quality_says_up_front_that_cache_dit_rows_need_the_bench_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(  # as installed without the bench extra
+        importlib.util, "find_spec", lambda name, *a: None if name == "cache_dit" else find_spec(name, *a)
+    )
+    result = runner.invoke(app, ["bench", "quality", "--quick", "--rows", "no-reuse,cachedit"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    said = " ".join(result.output.split())
+    assert "needs cache-dit" in said and "--rows no-reuse" in said
+
+
 def test_calibrating_without_calibration_out_writes_no_table(tiny_toy_weights: Path, tmp_path: Path) -> None:
     from chorus_sched.planner import default_calibration_path
 
