@@ -163,7 +163,7 @@ class ExactHits:
             status=ResultStatus.DONE,
             video_uri=source.video_uri,
             donor=DonorInfo(request_id=source.request_id, tenant=source.tenant, similarity=1.0),
-            plan=ReusePlan(stage1_steps=request.num_steps, stage2_steps=0, stage3_steps=0),
+            plan=None,  # nothing was planned or run: the video is another request's (served_from)
             steps_computed=0,
             steps_requested=request.num_steps,
             tokens_computed_fraction=0.0,

@@ -87,7 +87,15 @@ def write_contact_sheet(rows: list[RequestSummary], out: Path, path: Path) -> Pa
         lines = [
             f"family {row.family} · {row.kind} · seed {row.seed}",
             row.prompt[:60],
-            (f"HIT {donor}" if row.hit else donor if row.reuse == "auto" else "reuse off"),
+            (
+                f"EXACT: the video of {row.donor_request_id}"
+                if row.reuse_kind == "exact"
+                else f"HIT {donor}"
+                if row.hit
+                else donor
+                if row.reuse == "auto"
+                else "reuse off"
+            ),
             f"computed {row.steps_computed}/{row.steps_requested} steps, "
             f"{row.tokens_computed_fraction:.0%} tokens, {row.denoise_s:.2f} s",
         ]

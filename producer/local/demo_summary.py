@@ -253,7 +253,7 @@ def request_table(summary: DemoSummary) -> Table:
             escape(r.prompt),
             donor,
             _reuse_cell(r),
-            f"{r.plan_k1}/{r.plan_k2}/{r.plan_k3}",
+            "-" if r.plan_k1 is None else f"{r.plan_k1}/{r.plan_k2}/{r.plan_k3}",  # an exact hit runs no plan
             f"{r.steps_computed}/{r.steps_requested}",
             f"{r.tokens_computed_fraction:.0%}",
             f"{r.denoise_s:.3f}",

@@ -37,6 +37,7 @@ def test_an_identical_request_is_answered_from_the_stored_result_with_no_worker(
     [answer] = ports.results()
     assert answer.request_id == "again" and answer.status is ResultStatus.DONE
     assert answer.reuse is ReuseKind.EXACT and answer.served_from == "orig"
+    assert answer.plan is None  # nothing was planned or run for it
     assert (answer.steps_computed, answer.tokens_computed_fraction) == (0, 0.0) and answer.saved_compute
     assert answer.video_uri == "s3://chorus/videos/orig.mp4"
     assert ports.scheduler.stats.exact_hits == 1 and ports.ledger.state("again") == "done"
