@@ -186,6 +186,11 @@ def _writable(path: Path, option: str) -> None:
         _fail(f"{option} {path}: the folder {path.parent} does not exist")
     if not os.access(path.parent, os.W_OK):
         _fail(f"{option} {path}: the folder {path.parent} is not writable")
+    try:  # what access() cannot tell (a root user, /proc, a read-only mount): create it, before any work
+        path.open("xb").close()
+        path.unlink()
+    except OSError as exc:
+        _fail(f"{option} {path}: cannot be written ({exc.strerror or exc})")
 
 
 def _run_and_write(
@@ -213,10 +218,13 @@ def _run_and_write(
     except IncompatibleDonor as exc:
         _fail(str(exc))
     data = encode_video(result.frames, fmt=video_fmt, fps=fps or result.fps)
-    out_path.write_bytes(data)
-    traj_bytes = None
-    if save_trajectory is not None:
-        traj_bytes = result.trajectory.save(save_trajectory, trajectory_dtype)
+    try:  # checked before the work, but a disk can fill or a folder go meanwhile
+        out_path.write_bytes(data)
+        traj_bytes = None
+        if save_trajectory is not None:
+            traj_bytes = result.trajectory.save(save_trajectory, trajectory_dtype)
+    except OSError as exc:
+        _fail(f"cannot write {exc.filename or out_path}: {exc.strerror or exc}")
     reuse = reuse_kind(
         had_donor=result.donor_request_id is not None,
         steps_computed=result.steps_computed,

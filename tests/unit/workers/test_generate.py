@@ -118,6 +118,7 @@ def test_generate_refuses_outputs_and_devices_it_cannot_use_before_the_model_run
             "--save-trajectory",
         ),
         (["-o", str(tmp_path)], "is a directory"),
+        (["-o", "/proc/chorus-video.mp4"], "/proc/chorus-video.mp4: cannot be written"),  # even for root
         (["-o", str(tmp_path / "v.avi")], "the output's suffix .avi is not a format Chorus writes"),
         (
             ["--format", "gif", "-o", str(tmp_path / "v.mp4")],
