@@ -51,10 +51,16 @@ def produce(
         None, help="Classifier-free guidance scale (default: the model's)."
     ),
     reuse: ReusePolicy | None = typer.Option(None, help="Reuse policy: auto or off (default auto)."),
+    keep_seed: bool | None = typer.Option(
+        None,
+        "--keep-seed/--any-seed",
+        help="Reuse only donors grown from this request's own seed, so the video is that seed's sample "
+        "(default: any seed).",
+    ),
     priority: int | None = typer.Option(None, help="Priority 0..9 (default 0)."),
     wait: bool = typer.Option(False, "--wait", help="Follow the results topic until every result arrived."),
     timeout: float | None = typer.Option(
-        None, min=0.0, help="Seconds to wait for results with --wait (default CHORUS_RESULT_TIMEOUT_S)."
+        None, help="Seconds to wait for results with --wait, more than 0 (default CHORUS_RESULT_TIMEOUT_S)."
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON document (for scripts) instead of tables."
@@ -89,6 +95,8 @@ def produce(
 
     if (prompt is None) == (file is None):
         _fail(err, "give exactly one of --prompt or --file")
+    if timeout is not None and timeout <= 0:
+        _fail(err, f"--timeout {timeout:g}: give the seconds to wait for results, more than 0")
     fields: dict[str, Any] = {
         "tenant": tenant,
         "negative_prompt": negative_prompt,
@@ -100,6 +108,7 @@ def produce(
         "seed": seed,
         "guidance_scale": guidance_scale,
         "reuse": reuse.value if reuse is not None else None,
+        "keep_seed": keep_seed,
         "priority": priority,
     }
     requests, invalid = _requests_from(
@@ -274,6 +283,9 @@ def _table(requests: list[GenerationRequest], results: dict[str, GenerationResul
         status = "[green]done[/]" if r.status is ResultStatus.DONE else f"[red]{r.status}[/]"
         donor = f"{r.donor.request_id} ({r.donor.similarity:.2f})" if r.donor else "-"
         note = f"{r.error.code}: {r.error.message}" if r.error else (r.fallback or "")
+        if r.prompt_truncated:  # the video follows only the start of the prompt
+            used = f" to {r.prompt_tokens_used} tokens" if r.prompt_tokens_used is not None else ""
+            note = f"prompt truncated{used}" + (f"; {note}" if note else "")
         t = r.timings
         total = t.queue_s + t.fetch_s + t.denoise_s + t.decode_s + t.upload_s
         # What the video is, whether it is the requested seed's own sample (a Stage-1 donor of another seed

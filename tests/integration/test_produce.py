@@ -119,7 +119,9 @@ def test_produce_publishes_requests_keyed_by_id_that_kcat_reads(
         "\n".join(json.dumps({"request_id": f"p-{i}", "prompt": f"shape {i}", "seed": i}) for i in range(3))
         + "\n"
     )
-    sent = produce(kafka_settings, "--file", str(batch), "--model", "toy", "--tenant", "acme", "--json")
+    sent = produce(
+        kafka_settings, "--file", str(batch), "--model", "toy", "--tenant", "acme", "--keep-seed", "--json"
+    )
     assert sent.returncode == 0, sent.stderr
     assert json.loads(sent.stdout)["sent"] == ["p-0", "p-1", "p-2"]
     # The same id published again (another invocation) lands in the same partition.
@@ -143,6 +145,9 @@ def test_produce_publishes_requests_keyed_by_id_that_kcat_reads(
         request = parse_request(value)
         assert request.request_id == key and request.tenant == "acme" and request.model == "toy"
     assert len({partition for key, partition, _ in rows if key == "p-1"}) == 1
+    # --keep-seed filled every line of the file; the request sent on its own did not ask for it
+    kept = sorted((key, parse_request(value).keep_seed) for key, _, value in rows)
+    assert kept == [("p-0", True), ("p-1", False), ("p-1", True), ("p-2", True)]
 
 
 def respond(settings: KafkaSettings, answers: dict[str, ResultStatus]) -> None:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from producer import bus
@@ -409,3 +410,22 @@ def test_the_sdk_stamps_submitted_at_when_it_sends_unless_it_was_set() -> None:
     assert stamps["built-early"] >= before and built.submitted_at < before - timedelta(seconds=0.15)
     assert stamps["batch"] >= before
     assert stamps["replay"] == datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_produce_refuses_a_timeout_of_nothing_before_sending() -> None:
+    args = ["produce", "-p", "x", "--wait", "--timeout", "0", "--bootstrap", "127.0.0.1:9"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "--timeout 0" in result.output and "more than 0" in result.output
+
+
+def test_the_results_table_says_when_a_prompt_was_truncated() -> None:
+    from producer.cli_produce import _table
+    from producer.contract import GenerationResult, ResultStatus, build_request
+
+    request = build_request(prompt="a long prompt", request_id="long")
+    done = GenerationResult(
+        request_id="long", status=ResultStatus.DONE, prompt_truncated=True, prompt_tokens_used=32
+    )
+    console = Console(width=300, record=True)
+    console.print(_table([request], {request.job_id: done}))
+    assert "prompt truncated to 32 tokens" in console.export_text()
