@@ -63,17 +63,30 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def toy_weights_present() -> bool:
-    """Whether the toy model's weights are where the worker will look (``CHORUS_TOY_WEIGHTS_DIR`` or the
-    package's ``workers/toy/weights``)."""
-    configured = os.environ.get("CHORUS_TOY_WEIGHTS_DIR")
-    if configured:
-        return (Path(configured) / "model.safetensors").is_file()
+def model_unavailable(model: str) -> str | None:
+    """Why the stack's worker could not load ``model`` from this environment (``CHORUS_TOY_WEIGHTS_DIR``,
+    ``CHORUS_WAN21_DIR``, ``CHORUS_DEVICE``), or None: checked before the stack starts, not after it."""
+    from pydantic import ValidationError
+
+    from workers.engine.errors import ModelUnavailable
+    from workers.engine.registry import check_available
+    from workers.settings import WorkerSettings
+
     try:
-        import workers.toy as toy_pkg
-    except ImportError:
-        return False
-    return (Path(toy_pkg.__file__).resolve().parent / "weights" / "model.safetensors").is_file()
+        settings = WorkerSettings()
+    except ValidationError:
+        return None  # the worker's own start reports a bad setting, in its words
+    try:
+        check_available(
+            model,
+            device=settings.device,
+            wan21_dir=settings.wan21_dir,
+            toy_weights_dir=settings.toy_weights_dir,
+            count_gpus=False,
+        )
+    except ModelUnavailable as exc:
+        return str(exc)
+    return None
 
 
 def _raise_exit(signum: int, _frame: object) -> None:
@@ -178,13 +191,16 @@ def _num_steps(err: Console, model: str, embedder: str, steps: int | None) -> in
     if embedder not in ("minilm", "hashing"):
         err.print("[bold red]error:[/] --embedder must be minilm or hashing")
         raise typer.Exit(code=2)
-    if model == "toy" and not toy_weights_present():
+    problem = model_unavailable(model)
+    if problem is not None:
         err.print(
-            "[bold red]error:[/] the toy model's weights are not there (workers/toy/weights/model.safetensors, "
-            "or CHORUS_TOY_WEIGHTS_DIR): it is still being trained.\n"
-            "Run the demo on the tiny random Wan model instead (same path, noise-like videos):\n"
-            "  [bold]chorus demo --model tiny-random-wan[/]   (or ./scripts/demo.sh --model tiny-random-wan)"
+            f"[bold red]error:[/] cannot run the demo on {escape(model)}: {escape(problem)}", soft_wrap=True
         )
+        if model != "tiny-random-wan":
+            err.print(
+                "Or run it on the tiny random Wan model (same path, noise-like videos):\n"
+                "  [bold]chorus demo --model tiny-random-wan[/]   (or ./scripts/demo.sh --model tiny-random-wan)"
+            )
         raise typer.Exit(code=2)
     spec = CATALOG[model]
     num_steps = steps if steps is not None else spec.default_num_steps
