@@ -106,6 +106,7 @@ def worker(
 
         close_runners()
 
+    _reach_broker(app, settings.broker_connect_timeout_s, err)
     if preload:
         _preload_in_each_process(app, settings, models)
 
@@ -194,6 +195,24 @@ def worker_argv(
         argv += ["--concurrency", str(size)]
         sizing = f"concurrency {size}"
     return argv, queues, sizing
+
+
+def _reach_broker(app: Any, timeout_s: float, err: Console) -> None:
+    """Stop with one line when the broker cannot be reached within ``timeout_s``."""
+    from kombu.exceptions import OperationalError
+
+    try:
+        with app.connection_for_write() as connection:
+            connection.ensure_connection(
+                interval_start=0.5, interval_step=0.5, interval_max=2.0, timeout=timeout_s
+            )
+    except (OperationalError, OSError) as exc:
+        err.print(
+            f"[bold red]error:[/] cannot reach the broker {escape(_redact(app.conf.broker_url))} within "
+            f"{timeout_s:g} s ({escape(str(exc))}): start it, or point CHORUS_BROKER_URL at it",
+            soft_wrap=True,
+        )
+        raise typer.Exit(code=2) from None
 
 
 def _redact(url: str) -> str:

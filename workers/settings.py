@@ -57,6 +57,10 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     # sets it for all of them (the prefork pool, the default, runs one order per process).
     torch_threads: dict[str, Annotated[int, Field(ge=1, le=256)]] = Field(default_factory=lambda: {"toy": 1})
 
+    # Seconds a starting worker tries to reach its broker before it stops with one line (Celery alone retries
+    # forever, a log line a second); a supervisor (compose's restart, Kubernetes) starts it again.
+    broker_connect_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+
     # --- Celery worker -------------------------------------------------------------------------------
     # Models whose queues this worker consumes (comma-separated in CHORUS_WORKER_MODELS); empty: every model
     # in the catalog that can load here (``chorus worker`` leaves out one whose device or directory is missing).

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,26 @@ def test_cli_help_does_not_import_torch() -> None:
     code = "import sys, producer.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_worker_whose_broker_cannot_be_reached_stops_with_one_line(tmp_path: Path) -> None:
+    # Celery alone retries forever, a log line a second, and never says why the worker takes no order.
+    env = {
+        **os.environ,
+        "CHORUS_STATE_DIR": str(tmp_path),
+        "CHORUS_BROKER_URL": "redis://127.0.0.1:1/0",
+        "CHORUS_BROKER_CONNECT_TIMEOUT_S": "1",
+        "CHORUS_METRICS_PORT": "0",
+    }
+    chorus = str(Path(sys.executable).with_name("chorus"))
+    result = subprocess.run(
+        [chorus, "worker", "--pool", "solo", "-m", "tiny-random-wan"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    said = " ".join(result.stderr.split())
+    assert "cannot reach the broker redis://127.0.0.1:1/0 within 1 s" in said and "CHORUS_BROKER_URL" in said
+    assert "Traceback" not in said
