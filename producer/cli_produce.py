@@ -283,6 +283,8 @@ def _table(requests: list[GenerationRequest], results: dict[str, GenerationResul
         status = "[green]done[/]" if r.status is ResultStatus.DONE else f"[red]{r.status}[/]"
         donor = f"{r.donor.request_id} ({r.donor.similarity:.2f})" if r.donor else "-"
         note = f"{r.error.code}: {r.error.message}" if r.error else (r.fallback or "")
+        if not note and r.donor is not None and r.status is ResultStatus.DONE and not r.saved_compute:
+            note = "planned donor saved nothing: its plan recomputed every token"
         if r.prompt_truncated:  # the video follows only the start of the prompt
             used = f" to {r.prompt_tokens_used} tokens" if r.prompt_tokens_used is not None else ""
             note = f"prompt truncated{used}" + (f"; {note}" if note else "")

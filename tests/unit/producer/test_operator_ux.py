@@ -429,3 +429,21 @@ def test_the_results_table_says_when_a_prompt_was_truncated() -> None:
     console = Console(width=300, record=True)
     console.print(_table([request], {request.job_id: done}))
     assert "prompt truncated to 32 tokens" in console.export_text()
+
+
+def test_the_results_table_says_when_a_planned_donor_saved_nothing() -> None:
+    from producer.cli_produce import _table
+    from producer.contract import DonorInfo, GenerationResult, ResultStatus, build_request
+
+    request = build_request(prompt="a red circle that moves to the left", request_id="para")
+    done = GenerationResult(
+        request_id="para",
+        status=ResultStatus.DONE,
+        donor=DonorInfo(request_id="red", similarity=0.93),
+        steps_computed=4,
+        steps_requested=4,
+        tokens_computed_fraction=1.0,
+    )
+    console = Console(width=300, record=True)
+    console.print(_table([request], {request.job_id: done}))
+    assert "planned donor saved nothing" in console.export_text()
