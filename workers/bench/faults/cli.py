@@ -94,18 +94,27 @@ def _table(report: dict[str, object]) -> None:
 
     columns = ("done", "failed", "rejected", "lost", "duplicated", "wrong_tenant", "scheduler_restarts")
     table = Table(title=f"chorus bench faults ({'quick' if report['quick'] else 'full'})")
-    for name in ("scenario", "ok", "sent", *columns, "recover_s"):
-        table.add_column(name, justify="left" if name == "scenario" else "right")
+    # sent = valid requests (done/failed/rejected/lost count them) + hostile messages (dead-lettered, or not)
+    heads = ("scenario", "ok", "sent", "valid", *columns, "dead_lettered", "hostile_unanswered", "recover_s")
+    for name in heads:  # headers wrap at their words on a narrow terminal
+        table.add_column(
+            name.replace("_", " "), justify="left" if name == "scenario" else "right", no_wrap=False
+        )
     scenarios = report["scenarios"]
     assert isinstance(scenarios, list)
     for e in scenarios:
+        hostile = e.get("hostile") or {}
         table.add_row(
             e["name"],
             "[green]yes[/]" if e["ok"] else "[red]no[/]",
             str(e["sent"]),
+            str(e.get("valid", "")),
             *(str(e.get(c, "")) for c in columns),
+            str(hostile.get("dead_lettered", "")),
+            str(hostile.get("unanswered", "")),
             "" if e.get("recover_s") is None else f"{e['recover_s']:.1f}",
         )
-    Console().print(table)
+    # Not a terminal (a pipe, a log): wide lines instead of a table squeezed to 80 columns.
+    (Console() if sys.stdout.isatty() else Console(width=200)).print(table)
     if report.get("state_dir"):
         Console().print(f"state and logs: {report['state_dir']}")

@@ -168,3 +168,17 @@ def test_the_hostile_stream_covers_every_kind_and_interleaves_valid_requests() -
     assert all(m.request_id is None and m.key is None for m in stream if m.kind == "missing-id-no-key")
     ids = [m.request_id for m in stream if m.request_id is not None]
     assert len(ids) == len(set(ids))  # every message names a request of its own
+
+
+def test_the_table_counts_hostile_messages_beside_the_valid_requests(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 320 sent, 20 of them valid: the other 300 must show somewhere (they were dead-lettered)
+    from workers.bench.faults.cli import _table
+
+    entry = {"name": "hostile-input", "ok": True, "sent": 320, "valid": 20, "done": 20, "failed": 0, "rejected": 0,
+             "lost": 0, "duplicated": 0, "wrong_tenant": 0, "scheduler_restarts": 0, "recover_s": None,
+             "hostile": {"sent": 300, "dead_lettered": 300, "unanswered": 0}}  # fmt: skip
+    _table({"quick": True, "scenarios": [entry], "state_dir": None})
+    out = capsys.readouterr().out
+    assert "dead lettered" in out and "hostile unanswered" in out and " 300 " in out
