@@ -63,6 +63,10 @@ def worker(
     from workers.settings import WorkerSettings
 
     err = Console(stderr=True)
+    conflict = flag_conflict(pool, concurrency, autoscale, min_processes, max_processes)
+    if conflict is not None:
+        err.print(f"[bold red]error:[/] {escape(conflict)}", soft_wrap=True)
+        raise typer.Exit(code=2)
     overrides: dict[str, Any] = {}
     if model:
         overrides["worker_models"] = model
@@ -177,6 +181,23 @@ def _preload_in_each_process(app: Any, settings: Any, models: list[str]) -> None
                 engine_for(m, settings)
             except Exception as exc:  # the process stays up; orders for m then fail with the reason
                 log.error(ReadinessEvent.MODEL_NOT_PRELOADED, extra={"model": m, "error": str(exc)})
+
+
+def flag_conflict(
+    pool: str, concurrency: int | None, autoscale: bool, min_processes: int | None, max_processes: int | None
+) -> str | None:
+    """Pool-size flags that cannot all hold (one would be ignored without a word), or None."""
+    if concurrency is not None and autoscale:
+        return "give --concurrency (a fixed pool) or --autoscale (a pool that grows and shrinks), not both"
+    if pool == "solo" and concurrency not in (None, 1):
+        return f"--pool solo runs one order at a time: --concurrency {concurrency} needs --pool prefork or threads"
+    if autoscale and pool != "prefork":
+        return f"--autoscale needs --pool prefork (the {pool} pool has a fixed size)"
+    if (min_processes is not None or max_processes is not None) and not autoscale:
+        return "--min-processes and --max-processes bound --autoscale: add it, or give --concurrency"
+    if min_processes is not None and max_processes is not None and min_processes > max_processes:
+        return f"--min-processes {min_processes} exceeds --max-processes {max_processes}"
+    return None
 
 
 def worker_argv(

@@ -66,6 +66,26 @@ def test_a_bad_worker_flag_is_named_as_the_flag() -> None:
     assert "CHORUS_WORKER_CONCURRENCY" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--concurrency", "2", "--autoscale"], "not both"),
+        (["--pool", "solo", "--concurrency", "4"], "--pool solo runs one order at a time"),
+        (["--pool", "threads", "--autoscale"], "--autoscale needs --pool prefork"),
+        (["--max-processes", "4"], "bound --autoscale"),
+        (
+            ["--autoscale", "--min-processes", "3", "--max-processes", "2"],
+            "--min-processes 3 exceeds --max-processes 2",
+        ),
+    ],
+)
+def test_worker_flags_that_cannot_all_hold_are_refused_by_their_names(flags: list[str], says: str) -> None:
+    # each was taken silently (autoscale won, solo ran one at a time), or named the environment's variables
+    result = CliRunner().invoke(app, ["worker", *flags])
+    assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
+    assert "CHORUS_WORKER" not in result.output
+
+
 def test_cli_lists_every_command() -> None:
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
