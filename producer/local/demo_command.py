@@ -10,7 +10,7 @@ progress, and then prints one row per request and the totals. Everything it show
 - **steps saved**: transformer passes not run (``steps_requested − steps_computed``); **token-steps saved** also
   counts the tokens Stage 2 did not recompute (``steps_requested × (1 − tokens_computed_fraction)``);
 - **speedup**: the full-compute denoise time is the median worker-measured denoise time of the requests of this
-  run that computed every step (the ``reuse: off`` baseline of each family, and misses); the speedup of a hit is
+  run that computed every step (the ``reuse: off`` baseline of each family, misses, and plans that saved nothing); the speedup of a hit is
   that median over the hits' median, and the stream's speedup is (requests × the full-compute mean) over the
   stream's measured total denoise time. Before the stream, one uncounted ``reuse: off`` request per worker process warms
   the model up.
@@ -333,7 +333,7 @@ def _start_stack(console: Console, run: DemoRun, run_id: str, n_requests: int) -
         f"[bold]chorus demo[/] run {run_id}: {n_requests} requests in {run.families} families, model "
         f"[bold]{escape(run.model)}[/], {run.num_steps} steps; state in {escape(str(run.state_dir))}"
         + (
-            " (earlier runs' state kept: their donors serve requests of the same model)"
+            " (earlier runs' state kept: their videos answer identical requests, their donors similar ones)"
             if had_state
             else " (fresh)"
         )

@@ -104,7 +104,7 @@ class DemoSummary(BaseModel):
 
 SPEEDUP_NOTE = (
     "Full-compute time = the median worker-measured denoise time of this run's requests that computed every step "
-    "(each family's reuse-off baseline, and misses); medians, because other load on the machine makes single "
+    "(each family's reuse-off baseline, misses, and plans that saved nothing); medians, because other load on the machine makes single "
     "requests slow. Speedup per hit = that median / the hits' median denoise time. Stream speedup = (done requests "
     "× the full-compute mean) / the stream's measured total denoise time. Token-step speedup = steps requested / "
     "(steps requested × tokens-computed fraction), summed over the stream: the compute the engine skipped."
