@@ -4,6 +4,7 @@ errors an operator can act on, in one line, instead of a traceback (``ChorusGrou
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from producer.settings import (
     ENV_FILE_VARIABLE,
     EnvFileMissing,
     UnusableSetting,
+    env_file,
     is_settings_error,
     use_env_file,
 )
@@ -62,6 +64,59 @@ def root(
     """Chorus: serve text-to-video diffusion requests cheaper by reusing work from similar requests."""
     set_debug(debug)
     use_env_file(env_file)
+    warn_unknown_settings()
+
+
+# CHORUS_ names that are not settings yet mean something: docker-compose's host-side folder of model weights,
+# and the test suite's services.
+_NOT_SETTINGS = frozenset({"CHORUS_MODELS_DIR"})
+_NOT_SETTINGS_PREFIXES = ("CHORUS_TEST_",)
+
+
+def unknown_settings(names: Iterable[str]) -> list[tuple[str, str | None]]:
+    """(name, the setting it may be a typo of) for each ``CHORUS_`` name no Chorus process reads."""
+    import difflib
+
+    from chorus_sched.settings import SchedulerSettings
+    from producer.settings import ProducerSettings
+    from workers.settings import WorkerSettings
+
+    known = {ENV_FILE_VARIABLE} | {
+        f"CHORUS_{field.upper()}"
+        for settings in (ProducerSettings, SchedulerSettings, WorkerSettings)
+        for field in settings.model_fields
+    }
+    unknown = []
+    for name in sorted(set(names)):
+        upper = name.upper()
+        if not upper.startswith("CHORUS_") or upper in known or upper in _NOT_SETTINGS:
+            continue
+        if upper.startswith(_NOT_SETTINGS_PREFIXES):
+            continue
+        close = difflib.get_close_matches(upper, known, n=1, cutoff=0.8)
+        unknown.append((name, close[0] if close else None))
+    return unknown
+
+
+def warn_unknown_settings() -> None:
+    """Say which CHORUS_ names in the environment or the env file no setting reads (a typo is otherwise silently
+    ignored, and the default used)."""
+    names = list(os.environ)
+    try:
+        path = env_file()
+    except EnvFileMissing:
+        path = None  # the command that reads it reports that
+    if path is not None:
+        from dotenv import dotenv_values
+
+        names += [k for k in dotenv_values(path) if k]
+    err = Console(stderr=True)
+    for name, close in unknown_settings(names):
+        hint = f" (did you mean {close}?)" if close else ""
+        err.print(
+            f"[yellow]warning:[/] {escape(name)} is not a Chorus setting{escape(hint)}; it is ignored",
+            soft_wrap=True,
+        )
 
 
 def broker_hint() -> str:

@@ -447,3 +447,18 @@ def test_the_results_table_says_when_a_planned_donor_saved_nothing() -> None:
     console = Console(width=300, record=True)
     console.print(_table([request], {request.job_id: done}))
     assert "planned donor saved nothing" in console.export_text()
+
+
+def test_a_misspelled_setting_is_named_with_the_one_it_may_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pydantic-settings ignores unknown CHORUS_ names: a typo silently left the default in force
+    env = tmp_path / "stack.env"
+    env.write_text("CHORUS_KAFKA_BOOTSTRAPS=127.0.0.1:9\nCHORUS_S3_BUCKET=chorus\n")
+    monkeypatch.setenv("CHORUS_S3_ENDPIONT", "http://127.0.0.1:9000")
+    monkeypatch.setenv("CHORUS_MODELS_DIR", "/models")  # docker-compose's, not a setting: no warning
+    result = CliRunner().invoke(app, ["--env-file", str(env), "produce", "--help"])
+    said = " ".join(result.output.split())
+    assert "CHORUS_S3_ENDPIONT is not a Chorus setting (did you mean CHORUS_S3_ENDPOINT?)" in said
+    assert "CHORUS_KAFKA_BOOTSTRAPS is not a Chorus setting (did you mean CHORUS_KAFKA_BOOTSTRAP?)" in said
+    assert "CHORUS_MODELS_DIR" not in said and "CHORUS_S3_BUCKET" not in said
