@@ -330,7 +330,7 @@ def _start_stack(console: Console, run: DemoRun, run_id: str, n_requests: int) -
         worker_metrics_port=run.metrics_port + 1 if run.metrics_port else 0,
     )
     console.print(
-        f"[bold]chorus demo[/] run {run_id}: {n_requests} requests in {run.families} families, model "
+        f"[bold]chorus demo[/] run {run_id}: {_count(n_requests, 'request')} in {_count(run.families, 'family')}, model "
         f"[bold]{escape(run.model)}[/], {run.num_steps} steps; state in {escape(str(run.state_dir))}"
         + (
             " (earlier runs' state kept: their videos answer identical requests, their donors similar ones)"
@@ -441,3 +441,9 @@ def chorus_for_shell() -> str:
     if found is not None and Path(found).resolve() == script.resolve():
         return "chorus"
     return shell_path(script)
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless one ("1 family", "3 families")."""
+    plural = noun[:-1] + "ies" if noun.endswith("y") else noun + "s"
+    return f"{n} {noun if n == 1 else plural}"
