@@ -231,10 +231,9 @@ class Runner:
         worker_metrics.observe_result(result, order)
         return result
 
-    def publish_again(self, order_json: str, result_json: str) -> GenerationResult:
-        """Publish the result an earlier delivery of the order built but could not publish (the order does not
-        run again); raises ``ResultNotPublished`` again if Kafka still refuses it."""
-        result = GenerationResult.model_validate_json(result_json)
+    def publish_again(self, order_json: str, result: GenerationResult) -> GenerationResult:
+        """Publish the result ``handle`` built but could not publish (the order does not run again); raises
+        ``ResultNotPublished`` again if Kafka still refuses it."""
         try:
             order: WorkOrder | None = WorkOrder.model_validate_json(order_json)
         except ValidationError:

@@ -6,8 +6,9 @@
 
 Neither task lets an exception escape for bad input or a failed generation: the generate task publishes a
 ``failed`` result instead, so Celery never retries a request forever. Only a result that could not be published
-(``ResultNotPublished``) and an eviction the store refused (``StoreError``) are retried, a bounded number of times;
-a result is retried as what it is (the task's ``result_json``), so the order does not run again for a Kafka blip.
+(``ResultNotPublished``) and an eviction the store refused (``StoreError``) are retried, a bounded number of times:
+a result by publishing it again from the task (the order does not run again for a Kafka blip), an eviction by
+Celery.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,13 +43,7 @@ def settings_of(app: Celery) -> WorkerSettings:
 
 def register(app: Celery) -> None:
     """Register both tasks on ``app`` only (not shared: a client app built later must not get them)."""
-    settings = settings_of(app)
-    app.task(
-        name=GENERATE_TASK,
-        bind=True,
-        shared=False,
-        max_retries=settings.result_publish_retries,
-    )(generate)
+    app.task(name=GENERATE_TASK, bind=True, shared=False)(generate)
     app.task(
         name=EVICT_TASK,
         bind=True,
@@ -65,9 +60,8 @@ def publish_retry_countdown(retries: int) -> float:
     return float(2 ** (retries + 1))
 
 
-def generate(self: Task, order_json: str, result_json: str | None = None) -> dict[str, Any]:
-    """Run one ``WorkOrder``; publishes its ``GenerationResult`` and returns a short summary. With
-    ``result_json`` (a retry after Kafka refused it), only that result is published."""
+def generate(self: Task, order_json: str) -> dict[str, Any]:
+    """Run one ``WorkOrder``; publishes its ``GenerationResult`` and returns a short summary."""
     from workers.runner import runner_for
 
     started = time.perf_counter()  # the checks below are the order's "prepare" phase
@@ -77,55 +71,65 @@ def generate(self: Task, order_json: str, result_json: str | None = None) -> dic
         # died while the scheduler's watchdog sent it again. Running it would publish a second result.
         log.info("order already answered; this delivery is skipped", extra={"task_id": self.request.id})
         return {"task_id": self.request.id, "skipped": "already answered"}
-    try:
-        if result_json is not None:
-            result = runner_for(settings).publish_again(order_json, result_json)
-            mark_answered(self)
-            return _summary(result, attempt=None)
-        return _run_order(self, settings, order_json, started)
-    except ResultNotPublished as exc:
-        if exc.result is None:
-            raise
-        log.warning(
-            "result not published; publishing it again later (the order does not run again)",
-            extra={"task_id": self.request.id, "retries": self.request.retries, "error": str(exc)[:300]},
-        )
-        raise self.retry(
-            args=(order_json,),
-            kwargs={"result_json": exc.result.model_dump_json()},
-            exc=exc,
-            countdown=publish_retry_countdown(self.request.retries),
-        ) from exc
-
-
-def _run_order(self: Task, settings: WorkerSettings, order_json: str, started: float) -> dict[str, Any]:
-    from workers.runner import runner_for
-
     attempt = count_attempt(self)
+    runner = runner_for(settings)
+    with busy(), _alive(self, settings.worker_heartbeat_s) as progress:
+        try:
+            result = runner.handle(
+                order_json, worker=self.request.hostname, attempt=attempt, progress=progress, started=started
+            )
+        except ResultNotPublished as exc:
+            if exc.result is None:
+                raise
+            result = _publish_again(runner, order_json, exc, settings.result_publish_retries)
+    mark_answered(self)
+    return _summary(result, attempt=attempt)
+
+
+def _publish_again(
+    runner: Any, order_json: str, refused: ResultNotPublished, retries: int
+) -> GenerationResult:
+    """Publish the result Kafka refused, ``retries`` more times with backoff, here: the order does not run again
+    (minutes of GPU for a broker blip), and the task keeps beating meanwhile. Raises the last refusal (the task
+    then fails, and the scheduler's watchdog answers the request)."""
+    assert refused.result is not None
+    for retry in range(retries):
+        log.warning(
+            "result not published; publishing it again (the order does not run again)",
+            extra={"request_id": refused.result.request_id, "retry": retry + 1, "error": str(refused)[:300]},
+        )
+        time.sleep(publish_retry_countdown(retry))
+        try:
+            published: GenerationResult = runner.publish_again(order_json, refused.result)
+            return published
+        except ResultNotPublished as again:
+            refused = again if again.result is not None else refused
+    raise refused
+
+
+@contextmanager
+def _alive(task: Task, interval_s: float) -> Iterator[Callable[[int, int], None]]:
+    """While the block runs, the task's state in the result backend says it is alive: a heartbeat every
+    ``interval_s`` (the scheduler's watchdog tells a worker killed as a whole by a heartbeat that stops), and the
+    progress the block reports (``progress(done, total)``). Best-effort."""
     state: dict[str, Any] = {}
     lock = threading.Lock()
     # Celery keeps the task's request per thread: the heartbeat thread must name the task id itself.
-    task_id = self.request.id
+    task_id = task.request.id
 
     def beat(**fields: Any) -> None:
-        # The task's state in the result backend: progress, and a heartbeat that tells the scheduler this order
-        # is still alive (a worker killed as a whole leaves a heartbeat that stops). Best-effort.
         with lock:
             state.update(fields, **{HEARTBEAT_FIELD: time.time()})
             try:
-                self.update_state(task_id=task_id, state="PROGRESS", meta=dict(state))
+                task.update_state(task_id=task_id, state="PROGRESS", meta=dict(state))
             except Exception as exc:
                 log.debug("task state not recorded", extra={"error": repr(exc)})
 
     def progress(done: int, total: int) -> None:
         beat(step=done, of=total)
 
-    with busy(), _heartbeat(beat, settings.worker_heartbeat_s):
-        result = runner_for(settings).handle(
-            order_json, worker=self.request.hostname, attempt=attempt, progress=progress, started=started
-        )
-    mark_answered(self)
-    return _summary(result, attempt=attempt)
+    with _heartbeat(beat, interval_s):
+        yield progress
 
 
 def _summary(result: GenerationResult, *, attempt: int | None) -> dict[str, Any]:
