@@ -172,10 +172,13 @@ class Feedback:
                 "trajectory is outside the agreed layout; eviction by prefix would miss it",
                 extra={"request_id": result.request_id, "job": rid, "trajectory_uri": result.trajectory_uri},
             )
-        # What keep_seed requests match on: the seed of the noise the trajectory starts from, which is the request's
-        # own only when its result says so (a donor's noise otherwise, Stage 1 or Stage 2 alike).
+        # What keep_seed requests match on: the seed of the noise the trajectory starts from, known only when it is
+        # the request's own. One that started from a donor's (Stage 1 or Stage 2 alike) is None even when that
+        # donor's seed was the same: its record names its request's seed only, so a worker reading it later
+        # cannot vouch for the noise (``workers.engine.request_run.noise_seed``), and keep_seed would not hold.
         request = WorkOrder.model_validate_json(record.order).request if record.order else None
-        noise_seed = request.seed if request is not None and result.seed_honoured else None
+        own_noise = result.seed_honoured and result.donor is None
+        noise_seed = request.seed if request is not None and own_noise else None
         fields = {
             "status": DonorStatus.READY,
             "seed": noise_seed,

@@ -200,6 +200,18 @@ def test_a_request_that_keeps_its_seed_never_gets_a_donor_grown_from_another_see
     assert entry is not None and entry.ready and entry.seed is None
     lead = ports.index.get("lead")
     assert lead is not None and lead.seed == 1
+    # a donor of the same seed gave its noise: honoured, but a later reader of this trajectory cannot tell
+    ports.scheduler.handle_requests(
+        [Msg(request(request_id="twin-seed", seed=1, guidance_scale=3.0).to_bytes(), 3)]
+    )
+    same = ports.dispatcher.orders[-1]
+    assert same.donor is not None
+    honoured = done(
+        "twin-seed", donor=DonorInfo(request_id=same.donor.request_id, similarity=1.0), plan=same.plan
+    )
+    ports.scheduler.handle_results([Msg(honoured.to_bytes(), 2, topic="results")])
+    twin = ports.index.get("twin-seed")
+    assert twin is not None and twin.ready and twin.seed is None
 
     strict = request(request_id="strict", seed=3, keep_seed=True)
     ports.scheduler.handle_requests([Msg(strict.to_bytes(), 2)])
