@@ -34,7 +34,7 @@ from chorus_sched.embedding import Embedder
 from chorus_sched.exact import ExactHits, ExactOutcome
 from chorus_sched.grouping import Candidate, Decision, blocked_gain, decide
 from chorus_sched.index import DonorEntry, DonorIndex, DonorStatus
-from chorus_sched.ledger import Ledger, RequestRecord, RequestState
+from chorus_sched.ledger import Claim, Ledger, RequestRecord, RequestState
 from chorus_sched.metrics import METRICS
 from chorus_sched.planner import Planner
 from chorus_sched.resend import Resends
@@ -160,34 +160,7 @@ class Intake:
                     extra={"request_id": request.request_id, "owner": claim.owner},
                 )
                 progress.failed(m)
-            else:
-                if claim.outcome == "resumed":
-                    log.info(
-                        "resuming a request whose scheduling did not finish",
-                        extra={"request_id": request.request_id, "previous_owner": claim.owner},
-                    )
-                elif claim.outcome == "retry":
-                    # Its new order reuses the task id: the ended one's marks would make a worker skip it.
-                    try:
-                        self.dispatcher.forget(request.job_id)
-                    except Exception as exc:
-                        self._failed(m, progress, exc, request)
-                        continue
-                    log.info(
-                        "request sent again after it ended without a video; scheduling it anew",
-                        extra={
-                            "request_id": request.request_id,
-                            "tenant": request.tenant,
-                            "was": claim.state,
-                        },
-                    )
-                try:
-                    # An answer kept for an earlier claim of the id (one that ended without a video) is void; the
-                    # claim may have been released since, so this is done for every claim, not only a retry's.
-                    self.resends.forget(request.job_id)
-                except Exception as exc:
-                    self._failed(m, progress, exc, request)
-                    continue
+            elif self._taken(m, request, claim, progress):
                 in_batch.add(request.job_id)
                 twin = self.exact.twin_key(request)
                 if twin is not None and twin in twin_keys:
@@ -199,6 +172,34 @@ class Intake:
                     twin_keys.add(twin)
                 accepted.append((m, request))
         return accepted, twins
+
+    def _taken(self, m: Message, request: GenerationRequest, claim: Claim, progress: Progress) -> bool:
+        """Ready a request claimed now (new, resumed, or sent again after it ended without a video) to be
+        scheduled; False if a backing service failed (the message is then left for a retry)."""
+        if claim.outcome == "resumed":
+            log.info(
+                "resuming a request whose scheduling did not finish",
+                extra={"request_id": request.request_id, "previous_owner": claim.owner},
+            )
+        elif claim.outcome == "retry":
+            # Its new order reuses the task id: the ended one's marks would make a worker skip it.
+            try:
+                self.dispatcher.forget(request.job_id)
+            except Exception as exc:
+                self._failed(m, progress, exc, request)
+                return False
+            log.info(
+                "request sent again after it ended without a video; scheduling it anew",
+                extra={"request_id": request.request_id, "tenant": request.tenant, "was": claim.state},
+            )
+        try:
+            # An answer kept for an earlier claim of the id (one that ended without a video) is void; the claim
+            # may have been released since, so this is done for every claim, not only a retry's.
+            self.resends.forget(request.job_id)
+        except Exception as exc:
+            self._failed(m, progress, exc, request)
+            return False
+        return True
 
     def _answer_resend(
         self, m: Message, request: GenerationRequest, state: RequestState | None, progress: Progress
@@ -435,6 +436,34 @@ class Intake:
         METRICS.count_lookup(decision, cross_tenant_blocked=blocked)
         return decision
 
+    def _index_leader(
+        self, request: GenerationRequest, decision: Decision, vector: list[float] | None
+    ) -> DonorEntry | None:
+        """A leader is indexed as running, so later similar requests can follow it (None: not a leader, or the
+        index is down: it still runs)."""
+        if decision.role is not Role.LEADER or vector is None:
+            return None
+        rid = request.job_id
+        entry = DonorEntry(
+            request_id=rid,
+            tenant=request.tenant,
+            compat_key=request.compatibility_key,
+            prompt=request.prompt,
+            trajectory_prefix=trajectory_prefix(rid),
+            status=DonorStatus.RUNNING,
+            model=request.model,
+            num_steps=request.num_steps,
+            # the seed of the noise it starts from, when it is its own (``Feedback._index_donor``)
+            seed=request.seed if decision.donor is None or not decision.plan.reuses else None,
+            created_at=self.clock(),
+        )
+        try:
+            self.index.upsert(entry, vector)
+        except Exception as exc:  # followers cannot find this leader; it still runs
+            self._index_down(exc, 1)
+            return None
+        return entry
+
     def _schedule(self, request: GenerationRequest, vector: list[float] | None, *, origin: str = "") -> None:
         rid = request.job_id  # a donor is known by its job id: request ids are per tenant
         try:
@@ -447,27 +476,7 @@ class Intake:
             vector = None
             decision = self.decide(request, None)
         donor = decision.donor
-        leader_entry = None
-        if decision.role is Role.LEADER and vector is not None:
-            leader_entry = DonorEntry(
-                request_id=rid,
-                tenant=request.tenant,
-                compat_key=request.compatibility_key,
-                prompt=request.prompt,
-                trajectory_prefix=trajectory_prefix(rid),
-                status=DonorStatus.RUNNING,
-                model=request.model,
-                num_steps=request.num_steps,
-                # the seed of the noise it starts from: a leader that reuses starts from its donor's (known when
-                # its result says, ``Feedback._index_donor``)
-                seed=request.seed if donor is None or not decision.plan.reuses else None,
-                created_at=self.clock(),
-            )
-            try:
-                self.index.upsert(leader_entry, vector)
-            except Exception as exc:  # followers cannot find this leader; it still runs
-                self._index_down(exc, 1)
-                leader_entry = None
+        leader_entry = self._index_leader(request, decision, vector)
         order = WorkOrder(
             request=request,
             plan=decision.plan,

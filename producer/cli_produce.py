@@ -115,11 +115,37 @@ def produce(
         prompt, file, request_id, fields, skip_invalid=skip_invalid, as_json=as_json, out=out, err=err
     )
     sent, results = _publish_and_follow(settings, requests, wait, timeout, as_json=as_json, out=out, err=err)
+    _report(
+        settings.kafka_requests_topic,
+        requests,
+        sent,
+        invalid,
+        results,
+        wait=wait,
+        as_json=as_json,
+        out=out,
+        err=err,
+    )
+
+
+def _report(
+    topic: str,
+    requests: list[GenerationRequest],
+    sent: list[str],
+    invalid: list[Any],
+    results: dict[str, GenerationResult],
+    *,
+    wait: bool,
+    as_json: bool,
+    out: Console,
+    err: Console,
+) -> None:
+    """Print what was sent and what came back; exit 1 if a result is missing or not ``done``."""
     # Results are keyed by job id (tenant and request id): two tenants may send the same id in one file.
     missing = [r.request_id for r in requests if r.job_id not in results] if wait else []
     if as_json:
         doc = {
-            "topic": settings.kafka_requests_topic,
+            "topic": topic,
             "sent": sent,
             "invalid": invalid,
             "results": [results[r.job_id].model_dump(mode="json") for r in requests if r.job_id in results],

@@ -53,36 +53,63 @@ def worker(
     ),
 ) -> None:
     """Run a Celery worker that executes generation orders for the given models."""
-    from celery.signals import worker_process_init, worker_process_shutdown
-    from pydantic import ValidationError
-
-    from producer.logs import configure_logging
-    from producer.settings import settings_error_line
-    from workers.app import create_app
-    from workers.presence import announcing
-    from workers.settings import WorkerSettings
-
     err = Console(stderr=True)
     conflict = flag_conflict(pool, concurrency, autoscale, min_processes, max_processes)
     if conflict is not None:
         err.print(f"[bold red]error:[/] {escape(conflict)}", soft_wrap=True)
         raise typer.Exit(code=2)
-    overrides: dict[str, Any] = {}
-    if model:
-        overrides["worker_models"] = model
-    if concurrency is not None:
-        overrides["worker_concurrency"] = concurrency
-    if min_processes is not None:
-        overrides["worker_autoscale_min"] = min_processes
-    if max_processes is not None:
-        overrides["worker_autoscale_max"] = max_processes
+    overrides: dict[str, Any] = {
+        name: value
+        for name, value in (
+            ("worker_models", model or None),
+            ("worker_concurrency", concurrency),
+            ("worker_autoscale_min", min_processes),
+            ("worker_autoscale_max", max_processes),
+        )
+        if value is not None
+    }
+    settings = _settings(overrides, err)
+    _serve(
+        settings, pool=pool, autoscale=autoscale, hostname=hostname, maintenance=maintenance, preload=preload
+    )
+
+
+def _settings(overrides: dict[str, Any], err: Console) -> WorkerSettings:
+    """The worker's settings (the environment's, the flags over them), with only the models it can load."""
+    from pydantic import ValidationError
+
+    from producer.logs import configure_logging
+    from producer.settings import settings_error_line
+    from workers.settings import WorkerSettings
+
     try:
         settings = WorkerSettings(**overrides)
     except ValidationError as exc:
         err.print(f"[bold red]error:[/] {escape(settings_error_line(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     configure_logging(settings.log_level, settings.log_format)
-    settings = _servable(settings, err)
+    return _servable(settings, err)
+
+
+def _serve(
+    settings: WorkerSettings,
+    *,
+    pool: str,
+    autoscale: bool,
+    hostname: str | None,
+    maintenance: bool,
+    preload: bool,
+) -> None:
+    """Start the Celery worker and run it until it stops."""
+    from celery.signals import worker_process_init, worker_process_shutdown
+
+    from workers.app import create_app
+    from workers.presence import announcing
+
+    app = create_app(settings)
+    # before anything else starts (the metrics endpoint, the engine's imports): a broker that is not there is
+    # said at once
+    _reach_broker(app, settings.broker_connect_timeout_s, Console(stderr=True))
 
     # Metrics: multiprocess mode and the endpoint start here, in the main process, before any metric exists
     # and before the pool forks (workers/metrics.py).
@@ -95,22 +122,14 @@ def worker(
 
     # Import the engine's modules (torch, diffusers) once here, before the pool forks, so each process does
     # not import them on its first order. Models are still loaded in each process (CUDA must start after fork).
-    import workers.runner  # noqa: F401
+    from workers.runner import close_runners
 
     models = settings.served_models
-    app = create_app(settings)
     name = hostname or f"chorus@{socket.gethostname()}"
     argv, queues, sizing = worker_argv(
         settings, pool=pool, autoscale=autoscale, hostname=name, maintenance=maintenance
     )
-
-    @worker_process_shutdown.connect(weak=False)
-    def _close(**_: Any) -> None:
-        from workers.runner import close_runners
-
-        close_runners()
-
-    _reach_broker(app, settings.broker_connect_timeout_s, err)
+    worker_process_shutdown.connect(lambda **_: close_runners(), weak=False)
     if preload:
         _preload_in_each_process(app, settings, models)
 
@@ -126,8 +145,6 @@ def worker(
     finally:
         # Celery sends worker_process_shutdown from prefork's children only: under the solo and threads pools
         # the orders ran here, and their trajectory uploads (daemon threads) would die with the process.
-        from workers.runner import close_runners
-
         close_runners()
         if exposition is not None:
             exposition.close()

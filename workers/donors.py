@@ -237,6 +237,17 @@ class S3DonorSource:
             )
 
 
+def clear_abandoned(store: ObjectStore, prefix: str) -> None:
+    """A leader starting is alive: a follower's mark that it was gone (left by an earlier run under this job id,
+    or by a follower that waited while this order was queued) would make its followers give up at once."""
+    try:
+        store.delete(abandoned_key(prefix if prefix.endswith("/") else prefix + "/"))
+    except StoreError as exc:
+        log.warning(
+            "could not clear the leader's abandoned mark", extra={"prefix": prefix, "error": str(exc)}
+        )
+
+
 def delete_trajectory(store: ObjectStore, prefix: str) -> int:
     """Delete a stored trajectory; how many objects went. The header goes first, before the rest is listed: an
     upload still running elsewhere looks for the header once it is done (``TrajectoryUploader``'s late finish)

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from producer.catalog import CATALOG
 from producer.contract import GenerationResult
 from producer.logs import quiet_transformers
-from producer.orders import Role, WorkOrder, abandoned_key, trajectory_prefix, video_key
+from producer.orders import Role, WorkOrder, trajectory_prefix, video_key
 from producer.readiness import ReadinessEvent
 from workers import metrics as worker_metrics
 from workers import video
@@ -38,6 +38,7 @@ from workers.donors import (
     TrajectoryEvicted,
     TrajectoryUploader,
     UploadReport,
+    clear_abandoned,
     delete_trajectory,
 )
 from workers.engine.bundle import ModelBundle
@@ -375,9 +376,9 @@ class Runner:
         """Run the engine (a leader streams its trajectory meanwhile); count the fallback it reports."""
         # Uploads run in the background: a packed trajectory as soon as the engine is done, while the video is
         # encoded; a larger one step by step while the engine runs. The result waits for what is left.
-        uploader.start()
         if order.role is Role.LEADER:
-            self._clear_abandoned(order.request.job_id)
+            clear_abandoned(self.store, trajectory_prefix(order.request.job_id))
+        uploader.start()
         try:
             use_torch_threads(order.request.model, self.settings)
             with loaded.lock:
@@ -480,14 +481,6 @@ class Runner:
         for thread in pending:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in pending)
-
-    def _clear_abandoned(self, job: str) -> None:
-        """A leader starting is alive: a follower's mark that it was gone (left by an earlier run under this job
-        id, or by a follower that waited while this order was queued) would make its followers give up at once."""
-        try:
-            self.store.delete(abandoned_key(trajectory_prefix(job)))
-        except StoreError as exc:
-            log.warning("could not clear the leader's abandoned mark", extra={"job": job, "error": str(exc)})
 
     def _discard_trajectory(self, job: str, uploader: TrajectoryUploader) -> None:
         """Delete what of ``job``'s trajectory may have been stored (a write whose reply was lost counts); what was
