@@ -8,6 +8,7 @@ says when the donor was not used after all), what was actually computed and the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -206,11 +207,13 @@ class ResultPublisher:
         self.settings = settings
         self.timeout_s = timeout_s
         self._producer: KafkaProducer | None = None
+        self._making = threading.Lock()
 
     def publish(self, result: GenerationResult) -> None:
         try:
-            if self._producer is None:
-                self._producer = bus.make_producer(self.settings)
+            with self._making:  # a threads pool's first results leave together: one producer, not one each
+                if self._producer is None:
+                    self._producer = bus.make_producer(self.settings)
             started = time.perf_counter()
             bus.publish(
                 self._producer,

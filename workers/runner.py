@@ -547,14 +547,18 @@ def encode_video(output: GenerationOutput, fmt: str) -> bytes:
 
 
 _RUNNERS: dict[str, Runner] = {}
+# Under `chorus worker --pool threads` the pool's threads take their first orders at once: one runner (one Kafka
+# producer, one store) each, not one per thread.
+_RUNNERS_LOCK = threading.Lock()
 
 
 def runner_for(settings: WorkerSettings) -> Runner:
     """One runner (store, Kafka producer) per process and distinct settings."""
     key = settings.model_dump_json()
-    runner = _RUNNERS.get(key)
-    if runner is None:
-        runner = _RUNNERS[key] = Runner(settings)
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.get(key)
+        if runner is None:
+            runner = _RUNNERS[key] = Runner(settings)
     return runner
 
 

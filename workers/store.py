@@ -10,6 +10,7 @@ import hashlib
 import io
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -255,15 +256,27 @@ def _http_client(timeout_s: float) -> urllib3.PoolManager:
     )
 
 
-_STORES: dict[tuple[str, str, bool], ObjectStore] = {}
+_STORES: dict[tuple[object, ...], ObjectStore] = {}
+_STORES_LOCK = threading.Lock()  # a threads pool's first orders start together
 
 
 def store_for(settings: WorkerSettings) -> ObjectStore:
     """One store per process and endpoint/bucket, with the bucket created on first use."""
-    key = (settings.s3_address, settings.s3_bucket, settings.s3_tls)
-    store = _STORES.get(key)
-    if store is None:
-        store = ObjectStore.from_settings(settings)
-        store.ensure_bucket()
-        _STORES[key] = store
+    # Everything the store is made from: settings with other credentials or timeouts get a store of their own.
+    key = (
+        settings.s3_address,
+        settings.s3_bucket,
+        settings.s3_tls,
+        settings.s3_region,
+        settings.s3_access_key.get_secret_value() if settings.s3_access_key else None,
+        settings.s3_secret_key.get_secret_value() if settings.s3_secret_key else None,
+        settings.s3_timeout_s,
+        settings.s3_write_retry_s,
+    )
+    with _STORES_LOCK:
+        store = _STORES.get(key)
+        if store is None:
+            store = ObjectStore.from_settings(settings)
+            store.ensure_bucket()
+            _STORES[key] = store
     return store

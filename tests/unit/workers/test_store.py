@@ -6,6 +6,8 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
 import pytest
 from moto.server import ThreadedMotoServer
@@ -122,3 +124,28 @@ def test_an_answer_that_is_not_s3s_is_a_store_error() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_one_store_per_process_and_settings_even_when_threads_ask_at_once(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.settings import WorkerSettings
+    from workers.store import store_for
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        base: dict[str, Any] = {
+            "state_dir": tmp_path,
+            "s3_endpoint": f"http://127.0.0.1:{port}",
+            "s3_bucket": f"b-{port}",
+        }
+        settings = WorkerSettings(**base, s3_access_key="k", s3_secret_key="s")
+        with ThreadPoolExecutor(8) as pool:  # a threads pool's first orders
+            stores = list(pool.map(lambda _: store_for(settings), range(8)))
+        assert len({id(s) for s in stores}) == 1
+        other = WorkerSettings(**base, s3_access_key="k2", s3_secret_key="s2")  # other credentials: its own
+        assert store_for(other) is not stores[0]
+    finally:
+        server.stop()
