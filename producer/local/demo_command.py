@@ -313,12 +313,20 @@ def _start_stack(console: Console, run: DemoRun, run_id: str, n_requests: int) -
     """Wipe the state first with ``--fresh``, say what runs, and start the stack; ``DemoFailed`` if it cannot."""
     from producer.local.config import StackError, StackOptions
     from producer.local.stack import EmbeddedStack, wipe_state
+    from producer.local.state_lock import StateFolderLock
 
     if run.fresh:
         try:
             wipe_state(run.state_dir)
         except StackError as exc:
             raise DemoFailed(str(exc)) from None
+    busy = StateFolderLock(run.state_dir)
+    if busy.held_elsewhere():  # said before the header, which would describe a state this run cannot use
+        try:
+            busy.acquire()
+        except StackError as exc:
+            raise DemoFailed(str(exc)) from None
+        busy.release()  # let go of meanwhile: the stack takes it
     had_state = (run.state_dir / "s3" / "manifest.json").exists()
     options = StackOptions(
         state_dir=run.state_dir,

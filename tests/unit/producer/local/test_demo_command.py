@@ -32,3 +32,18 @@ def test_the_demo_refuses_a_model_its_worker_could_not_load_before_it_starts_any
     result = CliRunner().invoke(app, ["demo", "--model", "wan2.1-t2v-1.3b", "--state-dir", str(state)])
     assert result.exit_code == 2 and "CHORUS_WAN21_DIR" in " ".join(result.output.split())
     assert not state.exists()  # refused before the stack (or its folder) existed
+
+
+def test_a_demo_on_a_state_folder_another_stack_holds_says_so_before_its_header(tmp_path: Path) -> None:
+    from producer.local.state_lock import StateFolderLock
+
+    state = tmp_path / "state"
+    held = StateFolderLock(state)
+    held.acquire()  # as a running `chorus demo --keep-running` holds it
+    try:
+        result = CliRunner().invoke(app, ["demo", "--model", "tiny-random-wan", "--state-dir", str(state)])
+    finally:
+        held.release()
+    said = " ".join(result.output.split())
+    assert result.exit_code != 0 and "in use by another Chorus stack" in said
+    assert "(fresh)" not in said and "state in" not in said  # no header describing a state it cannot use
