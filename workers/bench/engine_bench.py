@@ -121,13 +121,15 @@ def _toy2_bundle() -> Any:
 
 def _bundle(name: str) -> Any:
     from producer.catalog import CATALOG
+    from producer.logs import quiet_transformers
     from workers.engine.registry import MID_CONFIG, build_random_wan_bundle, load_bundle
 
-    if name == "tiny":
-        return load_bundle("tiny-random-wan")
-    if name == "toy2":
-        return _toy2_bundle()
-    return build_random_wan_bundle(MID_CONFIG, spec=CATALOG["tiny-random-wan"], name="bench-mid-wan")
+    with quiet_transformers():  # the benchmark's own progress, not a "Loading weights" bar per model
+        if name == "tiny":
+            return load_bundle("tiny-random-wan")
+        if name == "toy2":
+            return _toy2_bundle()
+        return build_random_wan_bundle(MID_CONFIG, spec=CATALOG["tiny-random-wan"], name="bench-mid-wan")
 
 
 def _median(xs: list[float]) -> float:

@@ -414,7 +414,10 @@ def _bench_config(args: QualityArgs, parsed: _Parsed, command: str) -> BenchConf
     wdir = parsed.weights_dir
 
     def load() -> Any:
-        return load_bundle("toy", toy_weights_dir=wdir)
+        from producer.logs import quiet_transformers
+
+        with quiet_transformers():  # the benchmark's own progress, not a "Loading weights" bar per engine
+            return load_bundle("toy", toy_weights_dir=wdir)
 
     return suite.BenchConfig(
         load_bundle=load,
