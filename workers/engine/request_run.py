@@ -355,5 +355,8 @@ def replay_stage1(
                 active_fraction=0.0,
             )
         )
-    log.info("stage 1 replayed from the donor", extra={"request_id": run.request.request_id, "steps": k1})
+    if k1:
+        log.info("stage 1 replayed from the donor", extra={"request_id": run.request.request_id, "steps": k1})
+    else:  # a Stage-2-only plan: the donor's noise, none of its steps
+        log.info("starting from the donor's initial latent", extra={"request_id": run.request.request_id})
     return initial, x, records
