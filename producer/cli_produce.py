@@ -295,7 +295,7 @@ def _table(requests: list[GenerationRequest], results: dict[str, GenerationResul
         "tokens",
         "fallback / error",
         "video",
-        "seconds",
+        "s queue→upload",
     ):
         table.add_column(column, overflow="fold")
     for request in requests:
