@@ -214,9 +214,10 @@ class ResultPublisher:
             with self._making:  # a threads pool's first results leave together: one producer, not one each
                 if self._producer is None:
                     self._producer = bus.make_producer(self.settings)
+                producer = self._producer
             started = time.perf_counter()
             bus.publish(
-                self._producer,
+                producer,
                 self.settings.kafka_results_topic,
                 result.request_id,
                 result.to_bytes(),
@@ -241,6 +242,7 @@ class ResultPublisher:
         )
 
     def close(self) -> None:
-        if self._producer is not None:
-            self._producer.close(timeout=5)
-            self._producer = None
+        with self._making:  # not while a publish makes one
+            producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.close(timeout=5)

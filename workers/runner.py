@@ -17,6 +17,7 @@ allow for that (``S3DonorSource.grace_s``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from celery.exceptions import SoftTimeLimitExceeded
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from producer.catalog import CATALOG
 from producer.contract import GenerationResult
@@ -554,7 +555,9 @@ _RUNNERS_LOCK = threading.Lock()
 
 def runner_for(settings: WorkerSettings) -> Runner:
     """One runner (store, Kafka producer) per process and distinct settings."""
-    key = settings.model_dump_json()
+    # The dump masks secrets: settings that differ only in credentials get runners of their own by their hash.
+    secrets = [v.get_secret_value() for v in settings.__dict__.values() if isinstance(v, SecretStr)]
+    key = settings.model_dump_json() + hashlib.sha256("\0".join(secrets).encode()).hexdigest()
     with _RUNNERS_LOCK:
         runner = _RUNNERS.get(key)
         if runner is None:
@@ -565,7 +568,9 @@ def runner_for(settings: WorkerSettings) -> Runner:
 def wait_for_uploads(timeout_s: float | None = None, *, prefix: str | None = None) -> bool:
     """Wait for the trajectories (or the one under ``prefix``) this process' runners still upload; whether they
     all ended in time (each runner gets the whole timeout)."""
-    return all([r.wait_for_uploads(timeout_s, prefix=prefix) for r in list(_RUNNERS.values())])
+    with _RUNNERS_LOCK:
+        runners = list(_RUNNERS.values())
+    return all([r.wait_for_uploads(timeout_s, prefix=prefix) for r in runners])
 
 
 def close_runners() -> None:
@@ -573,9 +578,11 @@ def close_runners() -> None:
     shutdown, tests)."""
     if not wait_for_uploads(UPLOADS_AT_EXIT_S):
         log.warning("trajectory uploads still running at exit", extra={"timeout_s": UPLOADS_AT_EXIT_S})
-    for runner in _RUNNERS.values():
+    with _RUNNERS_LOCK:
+        runners = list(_RUNNERS.values())
+        _RUNNERS.clear()
+    for runner in runners:
         runner.publisher.close()
-    _RUNNERS.clear()
 
 
 def _log_done(result: GenerationResult) -> None:

@@ -78,9 +78,10 @@ class WorkerSettings(KafkaSettings, BrokerSettings):
     worker_presence_s: float = Field(default=5.0, gt=0, le=300)
     # How often a running order writes its heartbeat into the task state (the scheduler's watchdog reads it).
     worker_heartbeat_s: float = Field(default=5.0, gt=0, le=300)
-    # Tries to publish again a result Kafka refused, from the task, 2, 4, 8... s apart (the order does not run
-    # again); after the last the task fails, and the scheduler's watchdog answers the request.
-    result_publish_retries: int = Field(default=2, ge=0, le=20)
+    # Tries to publish again a result Kafka refused, from the task, 2, 4, 8, then 10 s apart (the order does not run
+    # again; the tries, up to 30 s each, come out of the task's time limits); after the last the task fails, and
+    # the scheduler's watchdog answers the request.
+    result_publish_retries: int = Field(default=2, ge=0, le=8)
 
     # --- Trajectories ---------------------------------------------------------------------------------
     # How trajectories are stored in S3: float16 halves the bytes; decoding always yields float32.

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import certifi
 import urllib3
@@ -24,6 +25,9 @@ from minio.error import InvalidResponseError, S3Error, ServerError
 from urllib3.exceptions import HTTPError
 
 from workers.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from pydantic import SecretStr
 
 log = logging.getLogger(__name__)
 
@@ -268,8 +272,8 @@ def store_for(settings: WorkerSettings) -> ObjectStore:
         settings.s3_bucket,
         settings.s3_tls,
         settings.s3_region,
-        settings.s3_access_key.get_secret_value() if settings.s3_access_key else None,
-        settings.s3_secret_key.get_secret_value() if settings.s3_secret_key else None,
+        _digest(settings.s3_access_key),  # kept by hash: a cache key holds no credential
+        _digest(settings.s3_secret_key),
         settings.s3_timeout_s,
         settings.s3_write_retry_s,
     )
@@ -280,3 +284,7 @@ def store_for(settings: WorkerSettings) -> ObjectStore:
             store.ensure_bucket()
             _STORES[key] = store
     return store
+
+
+def _digest(secret: SecretStr | None) -> str | None:
+    return None if secret is None else hashlib.sha256(secret.get_secret_value().encode()).hexdigest()

@@ -55,9 +55,13 @@ def register(app: Celery) -> None:
     )(evict)
 
 
+# The longest wait between two tries to publish a result: the tries come out of the task's own time limit.
+PUBLISH_RETRY_MAX_WAIT_S = 10.0
+
+
 def publish_retry_countdown(retries: int) -> float:
-    """Seconds before the next try to publish a result, after ``retries`` retries: 2, 4, 8, ..."""
-    return float(2 ** (retries + 1))
+    """Seconds before the next try to publish a result, after ``retries`` retries: 2, 4, 8, 10, 10, ..."""
+    return min(float(2 ** (retries + 1)), PUBLISH_RETRY_MAX_WAIT_S)
 
 
 def generate(self: Task, order_json: str) -> dict[str, Any]:

@@ -321,12 +321,12 @@ def _start_stack(console: Console, run: DemoRun, run_id: str, n_requests: int) -
         except StackError as exc:
             raise DemoFailed(str(exc)) from None
     busy = StateFolderLock(run.state_dir)
-    if busy.held_elsewhere():  # said before the header, which would describe a state this run cannot use
-        try:
+    try:  # said before the header, which would describe a state this run cannot use
+        if busy.held_elsewhere():
             busy.acquire()
-        except StackError as exc:
-            raise DemoFailed(str(exc)) from None
-        busy.release()  # let go of meanwhile: the stack takes it
+            busy.release()  # let go of meanwhile: the stack takes it
+    except StackError as exc:
+        raise DemoFailed(str(exc)) from None
     had_state = (run.state_dir / "s3" / "manifest.json").exists()
     options = StackOptions(
         state_dir=run.state_dir,

@@ -149,3 +149,14 @@ def test_one_store_per_process_and_settings_even_when_threads_ask_at_once(tmp_pa
         assert store_for(other) is not stores[0]
     finally:
         server.stop()
+
+
+def test_settings_that_differ_only_in_credentials_get_runners_of_their_own(tmp_path: Path) -> None:
+    # pydantic's dump masks secrets: keyed by it alone, the second would get the first's store and producer
+    from workers.runner import runner_for
+    from workers.settings import WorkerSettings
+
+    base: dict[str, Any] = {"state_dir": tmp_path, "s3_access_key": "k"}
+    first = runner_for(WorkerSettings(**base, s3_secret_key="one"))
+    assert runner_for(WorkerSettings(**base, s3_secret_key="one")) is first
+    assert runner_for(WorkerSettings(**base, s3_secret_key="two")) is not first

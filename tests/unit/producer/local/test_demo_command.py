@@ -47,3 +47,14 @@ def test_a_demo_on_a_state_folder_another_stack_holds_says_so_before_its_header(
     said = " ".join(result.output.split())
     assert result.exit_code != 0 and "in use by another Chorus stack" in said
     assert "(fresh)" not in said and "state in" not in said  # no header describing a state it cannot use
+
+
+def test_a_state_folder_whose_lock_cannot_be_opened_is_one_line(tmp_path: Path) -> None:
+    from producer.local.state_lock import LOCK_NAME
+
+    state = tmp_path / "state"
+    (state / LOCK_NAME).mkdir(parents=True)  # not a file: it cannot be opened
+    result = CliRunner().invoke(app, ["demo", "--model", "tiny-random-wan", "--state-dir", str(state)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1 and "cannot use the state folder" in said
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback
