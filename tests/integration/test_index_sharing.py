@@ -99,3 +99,27 @@ def test_a_write_that_fails_partway_is_not_searched_from_a_stale_copy(
     assert index.get("a") is None and index.get("b") is not None  # what the folder holds
     assert [h.entry.request_id for h in index.search([1.0, 0.0], compat_key="k", tenant="t")] == ["b"]
     index.close()
+
+
+def test_local_mode_commits_without_waiting_for_the_disk_and_keeps_its_points(qdrant_path: Path) -> None:
+    """Qdrant's per-point commits in its default journal mode waited for fsyncs under the index's hold."""
+    import sqlite3
+
+    index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2, keep_open_s=600)
+    index.upsert(_entry("a"), [1.0, 0.0])
+    client: Any = index._client
+    db = client._client.collections["donors"].storage.storage
+    assert db.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL: no fsync per commit in WAL
+    index.close()
+    (storage,) = qdrant_path.rglob("storage.sqlite")
+    with sqlite3.connect(storage) as probe:
+        assert probe.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    reopened = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2)  # an existing collection
+    assert reopened.get("a") is not None
+    reopened.upsert(_entry("b"), [0.0, 1.0])
+    reopened.close()
+    foreign = QdrantClient(path=str(qdrant_path))
+    try:
+        assert foreign.count("donors").count == 2
+    finally:
+        foreign.close()
