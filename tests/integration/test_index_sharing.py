@@ -123,3 +123,23 @@ def test_local_mode_commits_without_waiting_for_the_disk_and_keeps_its_points(qd
         assert foreign.count("donors").count == 2
     finally:
         foreign.close()
+
+
+def _use_the_index(path: str) -> None:
+    index = DonorIndex.connect(path=path, collection="donors", dim=2, lock_wait_s=30)
+    index.upsert(_entry("from-child"), [0.0, 1.0])
+    assert index.get("a") is not None and index.get("from-child") is not None
+    index.close()
+
+
+def test_a_forked_child_can_use_the_index_its_parent_kept_open(qdrant_path: Path) -> None:
+    """The parent's idle connection holds SQLite's write-ahead-log locks and mappings, which a child inherits
+    without owning; a child that opened the file beside them got 'disk I/O error'."""
+    index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2, keep_open_s=600)
+    index.upsert(_entry("a"), [1.0, 0.0])
+    child = FORK.Process(target=_use_the_index, args=(str(qdrant_path),))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    assert index.get("from-child") is not None  # the parent opens the folder again and sees the child's write
+    index.close()
