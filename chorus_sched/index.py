@@ -196,13 +196,13 @@ class DonorIndex:
         self._folder.acquire()
         try:
             self._client = QdrantClient(path=str(self.path))
-            _commit_without_fsync(self._client)
         except BaseException as exc:
             self._folder.release()
             if isinstance(exc, RuntimeError) and not isinstance(exc, IndexUnavailable):
                 # Qdrant's own storage lock: another client (not a Chorus process) has the folder open.
                 raise IndexUnavailable(f"index at {self.path} is in use by another client: {exc}") from exc
             raise
+        _commit_without_fsync(self._client)  # never raises: the setting is a speed-up only
         self.opens += 1
         if self.keep_open_s > 0:  # a copy pays off only for a folder kept open across operations
             try:
@@ -265,6 +265,18 @@ class DonorIndex:
             finally:
                 self._lock.release()
         self._watcher = None
+
+    def _release_for_fork(self) -> None:
+        """``release`` before a fork, once an operation under way in another thread has ended (a fork from
+        inside ``hold`` keeps the folder: the child then must not open this index's folder itself)."""
+        if self.path is None or self._client is None:
+            return
+        if not self._lock.acquire(timeout=self.lock_wait_s):
+            return
+        try:
+            self.release()
+        finally:
+            self._lock.release()
 
     def release(self) -> None:
         """Close the local-mode folder now (other processes may open it); the next operation opens it again."""
@@ -427,21 +439,31 @@ def _commit_without_fsync(client: QdrantClient) -> None:
     entry per result and a hit count per reuse under ``hold``, and the intake waited for the index behind them
     (``chorus bench sched``). WAL with ``synchronous=NORMAL`` commits without waiting for the disk; a commit
     that a power cut loses was a donor entry or a hit count of a cache, never a request or its answer (the
-    ledger keeps those). Reached through qdrant-client's local internals, so a version that keeps them
-    elsewhere keeps its default (logged once)."""
+    ledger keeps those). NORMAL is set only once the file is in WAL (in the rollback journal it would risk the
+    file, not just its last commits). A speed-up only: a file that cannot switch (another reader holds it, say)
+    or a qdrant-client that keeps its storage elsewhere keeps its default, said once in the log. A process
+    that forks lets go of the folder first (``_release_indexes_before_fork``)."""
     collections = getattr(getattr(client, "_client", None), "collections", None)
     if not isinstance(collections, dict):
-        return  # a server or :memory:
+        return  # a server
     for collection in collections.values():
-        db = getattr(getattr(collection, "storage", None), "storage", None)
+        storage = getattr(collection, "storage", None)
+        if storage is None:
+            continue  # :memory:
+        db = getattr(storage, "storage", None)
         if not isinstance(db, sqlite3.Connection):
-            if getattr(collection, "storage", None) is not None:
-                _warn_once("qdrant-client keeps its local storage elsewhere; its commits wait for the disk")
+            _warn_once("qdrant-client keeps its local storage elsewhere; its commits wait for the disk")
             continue
-        if db.in_transaction:
-            continue  # not reached: local mode commits each write before returning
-        db.execute("PRAGMA journal_mode = WAL")
-        db.execute("PRAGMA synchronous = NORMAL")
+        try:
+            mode = db.execute("PRAGMA journal_mode = WAL").fetchone()
+            if mode is not None and str(mode[0]).lower() == "wal":
+                db.execute("PRAGMA synchronous = NORMAL")
+            else:
+                _warn_once(f"donor index file stays in journal mode {mode}; its commits wait for the disk")
+        except sqlite3.Error as exc:
+            _warn_once(
+                f"donor index file not switched to write-ahead logging ({exc}); commits wait for the disk"
+            )
 
 
 @functools.cache
@@ -463,4 +485,14 @@ def _forget_indexes_in_child() -> None:
         index._forget_after_fork()
 
 
-os.register_at_fork(after_in_child=_forget_indexes_in_child)
+def _release_indexes_before_fork() -> None:
+    """Close every idle local-mode folder before the process forks. A child inherits an open SQLite connection
+    it does not own: in WAL mode its stale shared-memory mapping and lock state made the child's own later
+    connections to the file fail ('disk I/O error') or read past a write (a point lost), once someone else had
+    written in between. Closing first checkpoints the log; the parent opens the folder again when it next needs
+    it (a read of every point, rare: nothing in Chorus forks a process that holds the index)."""
+    for index in list(_INDEXES):
+        index._release_for_fork()
+
+
+os.register_at_fork(before=_release_indexes_before_fork, after_in_child=_forget_indexes_in_child)

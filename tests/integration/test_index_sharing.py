@@ -68,12 +68,24 @@ def test_only_live_waiters_count(qdrant_path: Path) -> None:
 def test_a_forked_child_leaves_the_parents_open_folder_locked(qdrant_path: Path) -> None:
     index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2, keep_open_s=600)
     index.upsert(_entry("a"), [1.0, 0.0])
+    with index.hold():  # a fork from inside an operation keeps the folder (an idle one is let go first)
+        child = FORK.Process(target=time.sleep, args=(0.1,))
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert not _foreign_client_opens(qdrant_path)  # the child did not unlock Qdrant's storage lock
+    assert index.get("a") is not None
+    index.close()
+
+
+def test_an_idle_folder_is_let_go_before_a_fork(qdrant_path: Path) -> None:
+    index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2, keep_open_s=600)
+    index.upsert(_entry("a"), [1.0, 0.0])
     child = FORK.Process(target=time.sleep, args=(0.1,))
     child.start()
+    assert _foreign_client_opens(qdrant_path)  # closed in the parent before the fork
     child.join(timeout=60)
-    assert child.exitcode == 0
-    assert not _foreign_client_opens(qdrant_path)  # the child did not unlock Qdrant's storage lock
-    assert index.get("a") is not None
+    assert child.exitcode == 0 and index.get("a") is not None and index.opens == 2
     index.close()
 
 
@@ -125,21 +137,66 @@ def test_local_mode_commits_without_waiting_for_the_disk_and_keeps_its_points(qd
         foreign.close()
 
 
-def _use_the_index(path: str) -> None:
-    index = DonorIndex.connect(path=path, collection="donors", dim=2, lock_wait_s=30)
-    index.upsert(_entry("from-child"), [0.0, 1.0])
-    assert index.get("a") is not None and index.get("from-child") is not None
-    index.close()
+def _use_the_index(path: str, rounds: int, done: Any, go_on: Any) -> None:
+    """A forked child that opens the index several times, the parent writing in between."""
+    for n in range(rounds):
+        index = DonorIndex.connect(path=path, collection="donors", dim=2, lock_wait_s=30)
+        index.upsert(_entry(f"child-{n}"), [0.0, 1.0])
+        assert index.get(f"parent-{n}") is not None and index.count() == 2 * n + 2
+        index.close()
+        done.set()
+        assert go_on.wait(60)
+        go_on.clear()
 
 
 def test_a_forked_child_can_use_the_index_its_parent_kept_open(qdrant_path: Path) -> None:
-    """The parent's idle connection holds SQLite's write-ahead-log locks and mappings, which a child inherits
-    without owning; a child that opened the file beside them got 'disk I/O error'."""
+    """Before a fork the parent lets go of its idle folder: in WAL mode a child that inherited the open SQLite
+    connection got 'disk I/O error' (or missed a write) on its second open after the parent had written."""
     index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2, keep_open_s=600)
-    index.upsert(_entry("a"), [1.0, 0.0])
-    child = FORK.Process(target=_use_the_index, args=(str(qdrant_path),))
+    index.upsert(_entry("parent-0"), [1.0, 0.0])
+    done, go_on = FORK.Event(), FORK.Event()
+    child = FORK.Process(target=_use_the_index, args=(str(qdrant_path), 3, done, go_on))
     child.start()
+    for n in range(3):
+        assert done.wait(60), f"the child's round {n} did not finish"
+        done.clear()
+        assert (
+            index.get(f"child-{n}") is not None
+        )  # the parent opens the folder again, the child's write in it
+        index.upsert(_entry(f"parent-{n + 1}"), [1.0, 0.0])
+        index.release()
+        go_on.set()
     child.join(timeout=120)
     assert child.exitcode == 0
-    assert index.get("from-child") is not None  # the parent opens the folder again and sees the child's write
+    assert index.count() == 7
+    index.close()
+
+
+def test_a_file_that_cannot_switch_modes_keeps_its_default_and_the_index_works(
+    qdrant_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The mode is a speed-up: an outside reader in a transaction (SQLite cannot switch then) costs it, not the
+    open, which once left a client behind after releasing the folder's lock."""
+    import logging
+    import sqlite3
+
+    from qdrant_client.http import models as qm
+
+    plain = QdrantClient(path=str(qdrant_path))  # made in Qdrant's default mode
+    plain.create_collection("donors", vectors_config=qm.VectorParams(size=2, distance=qm.Distance.COSINE))
+    plain.close()
+    (storage,) = qdrant_path.rglob("storage.sqlite")
+    reader = sqlite3.connect(storage, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM points").fetchone()
+    try:
+        with caplog.at_level(logging.WARNING, logger="chorus_sched.index"):
+            index = DonorIndex.connect(path=qdrant_path, collection="donors", dim=2)
+    finally:
+        reader.execute("COMMIT")  # a reader in a transaction blocks writes in either mode
+        reader.close()
+    assert "not switched to write-ahead logging" in caplog.text
+    assert _foreign_client_opens(qdrant_path)  # closed after the operation (keep_open_s=0), lock released
+    index.upsert(_entry("a"), [1.0, 0.0])
+    assert index.get("a") is not None
     index.close()
