@@ -85,3 +85,15 @@ def test_equal_scores_go_highest_rank_first() -> None:
     assert [e for e, _ in mirror.search([0.6, 0.8], ("k", None, None), 3)] == ["new", "mid", "old"]
     assert mirror.update("old", "old", ("k", "t", "ready"), rank=4.0)  # finalized later
     assert [e for e, _ in mirror.search([0.6, 0.8], ("k", None, None), 2)] == ["old", "new"]
+
+
+def test_ties_at_the_cut_go_highest_rank_first_among_many_rows() -> None:
+    rng = random.Random(7)
+    mirror: SearchMirror[str] = SearchMirror(2, capacity=4)
+    names = [f"p{i}" for i in range(40)]
+    rng.shuffle(names)
+    for name in names:  # the same prompt forty times, stored in a random order, beside other prompts
+        mirror.put(name, name, ("k", "t", "ready"), [0.6, 0.8], rank=float(name[1:]))
+        mirror.put(f"x{name}", f"x{name}", ("k", "t", "ready"), [rng.gauss(0, 1), rng.gauss(0, 1)])
+    assert [e for e, _ in mirror.search([0.6, 0.8], ("k", None, None), 3)] == ["p39", "p38", "p37"]
+    assert [e for e, _ in mirror.search([0.6, 0.8], ("k", None, None), 1)] == ["p39"]
