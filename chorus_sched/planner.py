@@ -261,14 +261,28 @@ class ReuseGate(Protocol):
 
 
 class Planner:
-    def __init__(self, table: CalibrationTable, gate: ReuseGate | None = None) -> None:
+    def __init__(
+        self, table: CalibrationTable, gate: ReuseGate | None = None, *, similarity_margin: float = 0.0
+    ) -> None:
+        if similarity_margin < 0:
+            raise ValueError("similarity_margin must be ≥ 0")
         self.table = table
         self.gate = gate  # None: verified rows apply whenever the table says (the benchmarks)
         self.ignorable = frozenset(w.casefold() for w in table.ignorable_words)
+        # An embedder whose similarities may be off the calibration's by up to this much (``Embedder.
+        # similarity_tolerance``) has every row's similarity threshold raised by it: never admitted where the
+        # calibration's numbers would refuse.
+        self.similarity_margin = similarity_margin
+
+    def widened(self, margin: float) -> Planner:
+        """The same table and gate, its similarity thresholds raised by at least ``margin``."""
+        if margin <= self.similarity_margin:
+            return self
+        return Planner(self.table, self.gate, similarity_margin=margin)
 
     def gated(self, gate: ReuseGate) -> Planner:
-        """The same table, its verified rows applied only while ``gate`` allows."""
-        return Planner(self.table, gate)
+        """The same table and margin, its verified rows applied only while ``gate`` allows."""
+        return Planner(self.table, gate, similarity_margin=self.similarity_margin)
 
     def chosen(self, choice: PlanChoice, model: str, similarity: float) -> None:
         """``choice`` was dispatched: a verified plan's check is now in flight in its band, and one made while the
@@ -280,8 +294,11 @@ class Planner:
         """The first row of ``num_steps``' regime that admits the pair decides; ``model`` scopes the gate."""
         regime = self.table.regime_for(num_steps)
         changes = diff.content_changes(self.ignorable)
+        margin = f" less the embedder's margin {self.similarity_margin:g}" if self.similarity_margin else ""
         for row in regime.rows:
-            if not row.admits(similarity, changes):
+            # The margin guards the rows that nothing checks after the planner; a verified row's loose floor is
+            # not its safety (the worker's model check is, and its calibration counted what it admits).
+            if not row.admits(similarity - (0.0 if row.verified else self.similarity_margin), changes):
                 continue
             policy = (row.verification or regime.verification or self.table.verification).for_plan()
             k1 = math.floor(row.k1 * num_steps)
@@ -315,13 +332,14 @@ class Planner:
                 )
                 return PlanChoice(ReusePlan.full(num_steps), regime.name, None, changes, reason)
             reason = (
-                f"row {row.name!r}: similarity {similarity:.3f} ≥ {row.min_similarity}, "
+                f"row {row.name!r}: similarity {similarity:.3f}{'' if row.verified else margin} "
+                f"≥ {row.min_similarity}, "
                 f"{changes} content change(s) ≤ {row.max_content_changes} ({diff.describe()})"
                 + ("; the worker verifies the donor with the model" if row.verified else "")
             )
             return PlanChoice(plan, regime.name, row.name, changes, reason, verified=row.verified)
         reason = (
             f"no {regime.name} row admits similarity {similarity:.3f} with {changes} content change(s) "
-            f"({diff.describe()})"
+            f"({diff.describe()})" + (f"; unverified rows take it{margin}" if margin else "")
         )
         return PlanChoice(ReusePlan.full(num_steps), regime.name, None, changes, reason)

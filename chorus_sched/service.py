@@ -84,6 +84,8 @@ class Scheduler:
             if settings.verified_gate
             else None
         )
+        # An embedder off the calibration's numbers by up to its tolerance (MiniLM in bfloat16) widens the rows.
+        planner = planner.widened(embedder.similarity_tolerance)
         self.planner = planner.gated(self.gate) if self.gate is not None else planner
         self.clock = clock
         self.instance = settings.resolved_instance_id
@@ -183,7 +185,9 @@ def build_scheduler(
     from chorus_sched.planner import load_calibration
 
     planner = Planner(load_calibration(settings.calibration_path))
-    embedder = embedder or make_embedder(settings.embedder, threads=settings.embed_threads)
+    embedder = embedder or make_embedder(
+        settings.embedder, threads=settings.embed_threads, precision=settings.embed_precision
+    )
     dim = len(embedder.embed(["warm-up"])[0])  # load the model now, not on the first request
     where = settings.qdrant_url or settings.resolved_qdrant_path
     try:

@@ -11,6 +11,7 @@ from producer import cli_produce, cli_root
 from producer.local import demo_command
 from workers import cli as worker_cli
 from workers import generate as generate_cli
+from workers.bench import embedder_bench
 from workers.bench import engine_cli as engine_bench
 from workers.bench import quality as quality_bench
 from workers.bench.faults import cli as faults_bench
@@ -39,6 +40,7 @@ bench_app.command("quality")(quality_bench.bench_quality)
 bench_app.command("faults")(faults_bench.bench_faults)
 bench_app.command("serve")(serve_bench.bench_serve)
 bench_app.command("sched")(serve_bench.bench_sched)
+bench_app.command("embedder")(embedder_bench.bench_embedder)
 app.add_typer(bench_app, name="bench")
 
 

@@ -191,6 +191,7 @@ class FakeEmbedder:
 
     name = "fake"
     dim = 64
+    similarity_tolerance = 0.0
 
     def __init__(self) -> None:
         self.vocabulary: dict[str, int] = {}
@@ -259,10 +260,11 @@ class Ports:
         ]
 
 
-def make_ports(tmp_path: Any, planner: Planner | None = None) -> Ports:
+def make_ports(tmp_path: Any, planner: Planner | None = None, embedder: FakeEmbedder | None = None) -> Ports:
     """A Scheduler wired to fresh fakes (and the packaged calibration unless ``planner``), and the fakes."""
     settings = SchedulerSettings(state_dir=tmp_path, instance_id="unit", kafka_requests_topic=REQUESTS)
-    ledger, index, embedder, dispatcher = FakeLedger(), FakeIndex(), FakeEmbedder(), FakeDispatcher()
+    ledger, index, dispatcher = FakeLedger(), FakeIndex(), FakeDispatcher()
+    embedder = embedder or FakeEmbedder()
     published: list[tuple[str, str, bytes]] = []
     scheduler = Scheduler(
         settings,

@@ -13,12 +13,12 @@ from chorus_sched.embedding import (
     Embedder,
     HashingEmbedder,
     MiniLMEmbedder,
-    _frozen_pipeline,
     cosine,
     make_embedder,
     word_diff,
     words,
 )
+from chorus_sched.minilm import _frozen_pipeline
 
 word = st.text(alphabet="abcdefghij", min_size=1, max_size=4)
 prompts = st.lists(word, min_size=0, max_size=12)
@@ -233,7 +233,7 @@ def test_very_long_prompts_fall_back_to_the_block_heuristic() -> None:
 
 
 class _Counting:
-    name, dim = "counting", 8
+    name, dim, similarity_tolerance = "counting", 8, 0.0
 
     def __init__(self) -> None:
         self.seen: list[str] = []
@@ -255,3 +255,68 @@ def test_cached_embedder_embeds_each_prompt_once_and_forgets_the_oldest() -> Non
     cached.embed(["a red circle"])
     assert inner.seen[-1] == "a red circle" and cached.hits == 2 and cached.misses == 4
     assert cached.name == "counting" and cached.dim == 8
+
+
+# Other prompts than the embedder's own probe set: the tolerance must hold beyond what it was checked on.
+_HELD_OUT = [
+    "a yellow triangle moving right on a black background",
+    "a yellow square moving right on a black background",
+    "the triangle, yellow, heads right against black",
+    "a red circle moving left on a white background",
+    "a red circle beside a blue square",
+    "a blue circle beside a red square",
+    "a person walking a dog through a snowy park at night",
+    "no circle at all, only a white background",
+]
+
+
+def _similarities(vectors: list[list[float]]) -> list[float]:
+    return [cosine(a, b) for i, a in enumerate(vectors) for b in vectors[i + 1 :]]
+
+
+@pytest.mark.slow
+def test_minilm_in_bfloat16_keeps_similarities_within_its_tolerance() -> None:
+    from chorus_sched.minilm import BF16_TOLERANCE
+
+    reference = MiniLMEmbedder(precision="float32")
+    fast = MiniLMEmbedder(precision="bfloat16")
+    assert (reference.similarity_tolerance, fast.similarity_tolerance) == (0.0, BF16_TOLERANCE)
+    ref, got = _similarities(reference.embed(_HELD_OUT)), _similarities(fast.embed(_HELD_OUT))
+    shifts = [abs(a - b) for a, b in zip(ref, got, strict=True)]
+    assert max(shifts) <= BF16_TOLERANCE
+    assert max(shifts) > 0  # bfloat16 numbers indeed: float32's would be equal to ~1e-7
+    assert all(math.isclose(sum(x * x for x in v), 1.0, rel_tol=1e-4) for v in fast.embed(_HELD_OUT))
+
+
+@pytest.mark.slow
+def test_auto_precision_is_float32_without_native_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    import chorus_sched.minilm as minilm
+
+    monkeypatch.setattr(minilm, "native_bf16", lambda: False)
+    auto = MiniLMEmbedder(precision="auto")
+    assert auto.similarity_tolerance == 0.0
+    assert auto.embed(_HELD_OUT[:3]) == MiniLMEmbedder(precision="float32").embed(_HELD_OUT[:3])
+
+
+@pytest.mark.slow
+def test_a_bfloat16_graph_that_moves_the_probe_too_far_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import chorus_sched.minilm as minilm
+
+    monkeypatch.setattr(minilm, "_similarity_shift", lambda *args: 0.05)
+    embedder = MiniLMEmbedder(precision="bfloat16")
+    with caplog.at_level("WARNING", logger="chorus_sched.minilm"):
+        vectors = embedder.embed(_HELD_OUT[:3])
+    assert "bfloat16 graph unusable" in caplog.text
+    reference = MiniLMEmbedder(precision="float32").embed(_HELD_OUT[:3])
+    assert (
+        max(abs(a - b) for v, w in zip(vectors, reference, strict=True) for a, b in zip(v, w, strict=True))
+        < 1e-6
+    )
+    assert embedder.similarity_tolerance > 0  # the margin stays: wider than needed, never narrower
+
+
+def test_an_unknown_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        MiniLMEmbedder(precision="fp8")  # type: ignore[arg-type]

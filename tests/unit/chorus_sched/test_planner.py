@@ -284,3 +284,27 @@ def test_written_tables_load_back_equal(rows: list[tuple[float, float, float]]) 
         write_calibration(original, path)
         assert load_calibration(path) == original
         assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]  # no temporary left behind
+
+
+def test_an_embedders_margin_raises_every_threshold_and_survives_the_gate() -> None:
+    planner = Planner(CalibrationTable.model_validate(table()))
+    assert planner.plan(0.803, word_diff(RED, BLUE), 10).row == "one"  # 0.8 admits it
+    wide = planner.widened(0.005)
+    refused = wide.plan(0.803, word_diff(RED, BLUE), 10)
+    assert (
+        refused.row is None and "unverified rows take it less the embedder's margin 0.005" in refused.reason
+    )
+    admitted = wide.plan(0.806, word_diff(RED, BLUE), 10)
+    assert admitted.row == "one" and "0.806 less the embedder's margin 0.005 ≥ 0.8" in admitted.reason
+    assert wide.widened(0.001) is wide and planner.widened(0.0) is planner  # only ever wider
+    assert wide.gated(_AlwaysGate()).similarity_margin == 0.005
+    with pytest.raises(ValueError, match="≥ 0"):
+        Planner(planner.table, similarity_margin=-0.1)
+
+
+class _AlwaysGate:
+    def allows(self, model: str, regime: str, similarity: float, stage1_steps: int) -> bool:
+        return True
+
+    def chosen(self, model: str, regime: str, similarity: float, stage1_steps: int) -> None:
+        return None

