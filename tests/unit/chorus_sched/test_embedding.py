@@ -285,17 +285,44 @@ def test_minilm_in_bfloat16_keeps_similarities_within_its_tolerance() -> None:
     shifts = [abs(a - b) for a, b in zip(ref, got, strict=True)]
     assert max(shifts) <= BF16_TOLERANCE
     assert max(shifts) > 0  # bfloat16 numbers indeed: float32's would be equal to ~1e-7
+    alone = _similarities([fast.embed([p])[0] for p in _HELD_OUT])  # other padding, other kernels
+    assert max(abs(a - b) for a, b in zip(ref, alone, strict=True)) <= BF16_TOLERANCE
     assert all(math.isclose(sum(x * x for x in v), 1.0, rel_tol=1e-4) for v in fast.embed(_HELD_OUT))
 
 
 @pytest.mark.slow
-def test_auto_precision_is_float32_without_native_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_precision_follows_the_cpu_and_keeps_its_margin_either_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import chorus_sched.minilm as minilm
 
+    reference = MiniLMEmbedder(precision="float32").embed(_HELD_OUT)
     monkeypatch.setattr(minilm, "native_bf16", lambda: False)
-    auto = MiniLMEmbedder(precision="auto")
-    assert auto.similarity_tolerance == 0.0
-    assert auto.embed(_HELD_OUT[:3]) == MiniLMEmbedder(precision="float32").embed(_HELD_OUT[:3])
+    without = MiniLMEmbedder(precision="auto")
+    assert without.embed(_HELD_OUT) == reference  # float32's very numbers
+    # the vectors it writes share an index with bfloat16 ones elsewhere: the margin stays
+    assert without.similarity_tolerance == minilm.BF16_TOLERANCE
+    monkeypatch.setattr(minilm, "native_bf16", lambda: True)
+    with_amx = MiniLMEmbedder(precision="auto").embed(_HELD_OUT)
+    assert with_amx != reference
+    shifts = [abs(a - b) for a, b in zip(_similarities(reference), _similarities(with_amx), strict=True)]
+    assert max(shifts) <= minilm.BF16_TOLERANCE
+
+
+def test_bfloat16_is_native_only_with_amx_that_onednn_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chorus_sched.minilm import native_bf16
+
+    monkeypatch.setenv(
+        "ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16"
+    )  # AVX512-BF16 without AMX: slower than float32
+    assert native_bf16() is False
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert native_bf16() is False
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert native_bf16() is True
 
 
 @pytest.mark.slow

@@ -301,3 +301,27 @@ def test_an_embedder_off_the_calibrations_numbers_widens_the_planners_thresholds
     widened = make_ports(tmp_path / "b", embedder=Bfloat16Like())
     assert widened.scheduler.planner.similarity_margin == 0.005
     assert widened.scheduler.intake.planner is widened.scheduler.planner
+
+
+def test_build_scheduler_hands_the_precision_setting_to_the_embedder(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import chorus_sched.embedding
+    from chorus_sched.service import build_scheduler
+    from chorus_sched.settings import SchedulerSettings
+
+    asked: dict[str, Any] = {}
+
+    class Stop(Exception):
+        pass
+
+    def make_embedder(kind: str, **options: Any) -> Any:
+        asked.update(options, kind=kind)
+        raise Stop
+
+    monkeypatch.setattr(chorus_sched.embedding, "make_embedder", make_embedder)
+    for precision in ("auto", "float32"):
+        settings = SchedulerSettings(state_dir=tmp_path, embed_precision=precision)
+        with pytest.raises(Stop):
+            build_scheduler(settings)
+        assert asked["precision"] == precision and asked["kind"] == "minilm"
