@@ -6,7 +6,7 @@ numeric precisions:
 - ``float32``: the package's own numbers (to ~1e-7); what the calibration table was measured with;
 - ``bfloat16``: the encoder's weights and activations in bfloat16 (pooling and normalization in float32). On a
   CPU with AMX (``chorus bench embedder``): 2.8× fewer CPU ms per prompt in batches of 32, 1.6× at 8, ~1.2×
-  alone; with AVX512-BF16 but no AMX it was ~20% *slower* than float32 (a review capped oneDNN's ISA to check).
+  alone; with AVX512-BF16 but no AMX it is 25-35% *slower* than float32 (oneDNN's ISA capped to check).
   Cosine similarities move by at most ~0.004 (0.0036 over 10,240 benchmark pairs). An embedder that may write
   bfloat16 vectors (``auto`` or ``bfloat16``) carries ``BF16_TOLERANCE`` as its ``similarity_tolerance``, and
   the scheduler's planner raises each *unverified* row's similarity floor by it: such a row may refuse a pair
@@ -242,7 +242,7 @@ def _frozen_pipeline(model: Any, *, bf16: bool = False) -> Any:
 
 def native_bf16() -> bool:
     """Whether this CPU has AMX tiles (as torch reports it) and oneDNN may use them: where bfloat16 pays. AVX512-BF16
-    alone does not (~20% slower than float32 for MiniLM)."""
+    alone does not (25-35% slower than float32 for MiniLM)."""
     import torch
 
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
