@@ -13,8 +13,6 @@ worker's model check is its safety); an unverified one would be a defect.
 
 from __future__ import annotations
 
-import json
-import shlex
 import statistics
 import sys
 import time
@@ -24,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import typer
+
+from workers.bench.report_file import stamped, write_report
 
 TARGET_SETS = ((0, 2_000_000), (1, 3_000_000), (3, 7_000_000), (4, 8_000_000))  # (set seed, seed base)
 STEPS = (4, 50)
@@ -114,10 +114,4 @@ def bench_embedder(
 
     err = Console(stderr=True)
     report = run_embedder_bench(captions, say=err.print)
-    given = sys.argv[sys.argv.index("embedder") + 1 :] if "embedder" in sys.argv else []
-    report = {"command": shlex.join(["chorus", "bench", "embedder", *given]), **report}
-    text = json.dumps(report, indent=1)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-    sys.stdout.write(text + "\n")
+    sys.stdout.write(write_report(stamped("embedder", report), out) + "\n")

@@ -24,14 +24,13 @@ Progress goes to stderr. The exit status is 1 when a scenario is not ok.
 
 from __future__ import annotations
 
-import json
-import shlex
 import sys
 from pathlib import Path
 
 import typer
 
 from workers.bench.faults import NAMES
+from workers.bench.report_file import stamped, write_report
 
 QUICK_HELP = "A smaller version of every scenario (under 10 minutes on 2 cores)."
 
@@ -74,12 +73,8 @@ def bench_faults(
         raise typer.BadParameter(f"unknown scenario(s) {unknown}; known: {', '.join(NAMES)}")
     err = Console(stderr=True)
     report = run_faults(only or None, quick=quick, state_root=state_dir, env=_env(stack_env), say=err.print)
-    given = sys.argv[sys.argv.index("faults") + 1 :] if "faults" in sys.argv else []
-    report = {"command": shlex.join(["chorus", "bench", "faults", *given]), **report}
-    text = json.dumps(report, indent=1)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    report = stamped("faults", report)
+    text = write_report(report, out)
     if as_json:
         sys.stdout.write(text + "\n")
     else:

@@ -18,8 +18,6 @@ Progress goes to stderr. The exit status is 1 when a request failed or went miss
 
 from __future__ import annotations
 
-import json
-import shlex
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +25,7 @@ from pathlib import Path
 
 import typer
 
+from workers.bench.report_file import stamped, write_report
 from workers.bench.serve.trace import TraceKind
 
 QUICK_HELP = "Smaller traces (toy 32, mid 16 requests): about 5 minutes on 2 cores."
@@ -102,15 +101,11 @@ def bench_serve(
     )
     with _bars() as progress:
         report = run_serve(options, say=err.print, progress=progress)
-    given = sys.argv[sys.argv.index("serve") + 1 :] if "serve" in sys.argv else []
-    report = {"command": shlex.join(["chorus", "bench", "serve", *given]), **report}
+    report = stamped("serve", report)
     figure = png or (out.with_suffix(".png") if out is not None else None)
     if figure is not None:
         report["figure"] = str(write_png(report, figure))
-    text = json.dumps(report, indent=1)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    text = write_report(report, out)
     if as_json:
         sys.stdout.write(text + "\n")
     else:
@@ -173,12 +168,8 @@ def bench_sched(
     if quick:
         options = SchedOptions(rate=rate, core=core, latency_requests=200, backlog=300, direct_requests=60)
     report = run_sched(options, say=err.print)
-    given = sys.argv[sys.argv.index("sched") + 1 :] if "sched" in sys.argv else []
-    report = {"command": shlex.join(["chorus", "bench", "sched", *given]), "quick": quick, **report}
-    text = json.dumps(report, indent=1)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    report = stamped("sched", {"quick": quick, **report})
+    text = write_report(report, out)
     if as_json:
         sys.stdout.write(text + "\n")
         return
