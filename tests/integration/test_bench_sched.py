@@ -43,6 +43,7 @@ def test_the_kafka_passes_split_the_added_latency_and_drain_both_backlogs() -> N
     assert 0 < broker["delivery_ms"]["p50"] < 10_000
     assert broker["busy"]["messages"] == 24 and broker["busy"]["records_per_poll"] >= 1
     assert sustained["handled"] == sustained["requests"] == 24
+    assert report["embed_precision"] == "auto" and report["embed_numbers"] in ("float32", "bfloat16")
     assert sustained["cpu_ms_per_request"] > 0 and sustained["profiled_cpu_ms_per_request"] > 0
     # Every phase of the profiled drain, to the last poll's dispatch: the drain ends when the handlers returned.
     phases = sustained["ms_per_request"]

@@ -285,6 +285,7 @@ def test_minilm_in_bfloat16_keeps_similarities_within_its_tolerance() -> None:
     shifts = [abs(a - b) for a, b in zip(ref, got, strict=True)]
     assert max(shifts) <= BF16_TOLERANCE
     assert max(shifts) > 0  # bfloat16 numbers indeed: float32's would be equal to ~1e-7
+    assert (reference.numbers, fast.numbers) == ("float32", "bfloat16")
     alone = _similarities([fast.embed([p])[0] for p in _HELD_OUT])  # other padding, other kernels
     assert max(abs(a - b) for a, b in zip(ref, alone, strict=True)) <= BF16_TOLERANCE
     assert all(math.isclose(sum(x * x for x in v), 1.0, rel_tol=1e-4) for v in fast.embed(_HELD_OUT))
@@ -299,7 +300,7 @@ def test_auto_precision_follows_the_cpu_and_keeps_its_margin_either_way(
     reference = MiniLMEmbedder(precision="float32").embed(_HELD_OUT)
     monkeypatch.setattr(minilm, "native_bf16", lambda: False)
     without = MiniLMEmbedder(precision="auto")
-    assert without.embed(_HELD_OUT) == reference  # float32's very numbers
+    assert without.embed(_HELD_OUT) == reference and without.numbers == "float32"  # float32's very numbers
     # the vectors it writes share an index with bfloat16 ones elsewhere: the margin stays
     assert without.similarity_tolerance == minilm.BF16_TOLERANCE
     monkeypatch.setattr(minilm, "native_bf16", lambda: True)
@@ -335,7 +336,7 @@ def test_a_bfloat16_graph_that_moves_the_probe_too_far_is_not_used(
     embedder = MiniLMEmbedder(precision="bfloat16")
     with caplog.at_level("WARNING", logger="chorus_sched.minilm"):
         vectors = embedder.embed(_HELD_OUT[:3])
-    assert "bfloat16 graph unusable" in caplog.text
+    assert "bfloat16 graph unusable" in caplog.text and embedder.numbers == "float32"
     reference = MiniLMEmbedder(precision="float32").embed(_HELD_OUT[:3])
     assert (
         max(abs(a - b) for v, w in zip(vectors, reference, strict=True) for a, b in zip(v, w, strict=True))

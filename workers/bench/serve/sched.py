@@ -235,6 +235,9 @@ def run_sched(options: SchedOptions, say: Callable[[str], None]) -> dict[str, An
             "speed_probe_ms": [probe_before, report.speed_probe_ms()],  # before, after: lower is faster
         },
         "embedder": harness.settings.embedder,
+        # auto, float32 or bfloat16 as set, and what the vectors were (MiniLM's ``numbers``)
+        "embed_precision": harness.settings.embed_precision,
+        "embed_numbers": getattr(getattr(harness.scheduler.embedder, "inner", None), "numbers", None),
         "direct": direct,
         "latency": latency,
         "broker": broker,
