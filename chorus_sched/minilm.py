@@ -4,10 +4,11 @@ Its forward passes are the largest share of the scheduler's CPU per request (``c
 numeric precisions:
 
 - ``float32``: the package's own numbers (to ~1e-7); what the calibration table was measured with;
-- ``bfloat16``: the encoder's weights and activations in bfloat16 (pooling and normalization in float32). On a
-  CPU with AMX (``chorus bench embedder``): 2.8× fewer CPU ms per prompt in batches of 32, 1.6× at 8, ~1.2×
-  alone; with AVX512-BF16 but no AMX it is 25-35% *slower* than float32 (oneDNN's ISA capped to check).
-  Cosine similarities move by at most ~0.004 (0.0036 over 10,240 benchmark pairs). An embedder that may write
+- ``bfloat16``: the encoder's weights and activations in bfloat16 (pooling and normalization in float32). Per
+  prompt (``chorus bench embedder``): on an Intel CPU with AMX 2.8× fewer CPU ms in batches of 32 and ~1.2×
+  alone; on an AMD EPYC with AVX512-BF16 and no AMX 2.0× and 1.4×; but on the AMX host with oneDNN capped at
+  AVX512-BF16 it was 25-35% *slower* than float32. Whether it pays is therefore measured, not guessed. Cosine
+  similarities move by at most ~0.004 (0.0036 over 10,240 benchmark pairs). An embedder that may write
   bfloat16 vectors (``auto`` or ``bfloat16``) carries ``BF16_TOLERANCE`` as its ``similarity_tolerance``, and
   the scheduler's planner raises each *unverified* row's similarity floor by it: such a row may refuse a pair
   float32 admits, never admit one it refuses (a verified row keeps its floor: the worker's model check is its
@@ -15,9 +16,11 @@ numeric precisions:
   in a shared or persistent index; an explicit ``float32`` fleet sharing an index with bfloat16 writers should
   not be mixed (set the same precision everywhere).
 
-``auto`` (the scheduler's default, ``CHORUS_EMBED_PRECISION``) takes bfloat16 on a CPU device with AMX (as torch
-reports it, and unless ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below it) when the bfloat16 graph agrees with float32 on
-``PROBE_PROMPTS``; float32 otherwise. The library default is float32, the calibration's and benchmarks' reference.
+``auto`` (the scheduler's default, ``CHORUS_EMBED_PRECISION``) takes bfloat16 on a CPU device with bfloat16
+instructions (AVX512-BF16 or AMX, as torch reports them, and unless ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below them)
+when the bfloat16 graph agrees with float32 on ``PROBE_PROMPTS`` *and* runs them faster, timed at load (a lone
+probe prompt and all of them batched, best of ``TIMING_RUNS``; bfloat16 must take at most ``BF16_MUST_TAKE`` of
+float32's time); float32 otherwise. The library default is float32, the calibration's and benchmarks' reference.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import copy
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -52,6 +56,13 @@ PROBE_PROMPTS = (
     "ein rotes Quadrat bewegt sich nach links",
     "",
 )
+
+
+# ``auto``'s timing at load: runs per graph and shape after as many warm-up runs (TorchScript's profiling executor
+# specializes a graph on its first calls), and the share of float32's time bfloat16 may take, so that noise at load
+# does not pick a precision that is no faster.
+TIMING_RUNS = 5
+BF16_MUST_TAKE = 0.9
 
 
 # The frozen graph runs batches of at most this many prompts. Per prompt on one core (trace prompts, ~16 tokens):
@@ -102,6 +113,9 @@ class MiniLMEmbedder:
         self._graph: Any = None  # the frozen graph of the whole pipeline; None: use encode
         # what its vectors are once loaded: float32 or bfloat16 (the frozen graphs), or encode (float32, no graph)
         self.numbers = "not loaded"
+        self.probe_timings: dict[str, Any] | None = (
+            None  # ``auto``'s timing of both graphs at load, if it ran
+        )
         # The intake and feedback threads share this embedder. A fast tokenizer sets its padding and truncation on
         # each call, and concurrent calls are reported to fail with "Already borrowed" (not reproduced here with
         # four threads); tokenizing takes ~0.1 ms, so one at a time costs nothing.
@@ -130,10 +144,11 @@ class MiniLMEmbedder:
         return self._model
 
     def _choose_precision(self, model: Any, graph32: Any) -> Any:
-        """The bfloat16 graph where asked (``auto``: on a CPU with AMX) and it agrees with float32 on the probe
-        prompts; else ``graph32``."""
-        if self.precision == "auto" and not (self.device == "cpu" and native_bf16()):
-            log.info("MiniLM embeds in float32: no AMX here (bfloat16 is slower than float32 without it)")
+        """The bfloat16 graph where asked and it agrees with float32 on the probe prompts (``auto``: on a CPU with
+        bfloat16 instructions, and only if it is faster); else ``graph32``."""
+        auto = self.precision == "auto"
+        if auto and not (self.device == "cpu" and bf16_hardware()):
+            log.info("MiniLM embeds in float32: no bfloat16 instructions here (AVX512-BF16 or AMX)")
             return graph32
         graph16 = _frozen_pipeline(model, bf16=True)
         moved = None if graph16 is None else _similarity_shift(model, graph32, graph16)
@@ -143,6 +158,12 @@ class MiniLMEmbedder:
                 extra={"similarity_shift": moved, "tolerance": BF16_TOLERANCE},
             )
             return graph32
+        if auto:
+            timings = self.probe_timings = _probe_timings(model, graph32, graph16)
+            if not timings["bfloat16_pays"]:
+                log.info("MiniLM embeds in float32: bfloat16 is not faster on this CPU", extra=timings)
+                return graph32
+            log.info("MiniLM's bfloat16 graph is faster on this CPU", extra=timings)
         log.info(
             "MiniLM embeds in bfloat16; the planner's similarity thresholds get its tolerance as a margin",
             extra={"similarity_shift_on_probe": round(moved, 5), "tolerance": BF16_TOLERANCE},
@@ -244,18 +265,52 @@ def _frozen_pipeline(model: Any, *, bf16: bool = False) -> Any:
         return None
 
 
-def native_bf16() -> bool:
-    """Whether this CPU has AMX tiles (as torch reports it) and oneDNN may use them: where bfloat16 pays. AVX512-BF16
-    alone does not (25-35% slower than float32 for MiniLM)."""
+def bf16_hardware() -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX tiles, as torch reports them) that oneDNN may
+    use. Without them bfloat16 is emulated and never pays; with them it may (``auto`` times it at load)."""
     import torch
 
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    if cap and "AMX" not in cap.upper() and cap.upper() != "ALL":
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if cap and cap != "ALL" and "AMX" not in cap and "BF16" not in cap:
         return False
+    amx_allowed = not cap or cap == "ALL" or "AMX" in cap
     try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except Exception:  # a torch without this probe: assume not
+        return bool(torch.cpu._is_avx512_bf16_supported()) or (
+            amx_allowed and bool(torch.cpu._is_amx_tile_supported())
+        )
+    except Exception:  # a torch without these probes: assume not
         return False
+
+
+def _best_time(graph: Any, inputs: Any) -> float:
+    """Best wall seconds of ``TIMING_RUNS`` runs of ``graph`` on ``inputs``, after as many warm-up runs."""
+    import torch
+
+    best = float("inf")
+    with torch.inference_mode():
+        for run in range(2 * TIMING_RUNS):
+            start = time.perf_counter()
+            graph(inputs["input_ids"], inputs["attention_mask"])
+            if run >= TIMING_RUNS:
+                best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _probe_timings(model: Any, graph32: Any, graph16: Any) -> dict[str, Any]:
+    """Both graphs timed on a lone probe prompt and on all of them batched (the scheduler embeds one prompt per
+    poll when traffic is light and many in a backlog); bfloat16 pays when its total takes at most
+    ``BF16_MUST_TAKE`` of float32's."""
+    alone = model.tokenizer([PROBE_PROMPTS[0]], return_tensors="pt").to(model.device)
+    batched = model.tokenizer(list(PROBE_PROMPTS), padding=True, return_tensors="pt").to(model.device)
+    ms = {
+        name: [round(_best_time(graph, inputs) * 1000, 3) for inputs in (alone, batched)]
+        for name, graph in (("float32", graph32), ("bfloat16", graph16))
+    }
+    return {
+        "alone_ms": {name: pair[0] for name, pair in ms.items()},
+        "batch_ms": {name: pair[1] for name, pair in ms.items()},
+        "bfloat16_pays": sum(ms["bfloat16"]) <= BF16_MUST_TAKE * sum(ms["float32"]),
+    }
 
 
 def _similarity_shift(model: Any, graph32: Any, graph16: Any) -> float:

@@ -1,7 +1,8 @@
 """``chorus bench embedder``: what MiniLM in bfloat16 changes against float32, in CPU time and in the planner's
 decisions.
 
-The scheduler embeds in bfloat16 where the CPU has it natively (``chorus_sched.minilm``), and its planner then
+The scheduler embeds in bfloat16 where the CPU has bfloat16 instructions and it is timed faster at load
+(``chorus_sched.minilm``; the report's ``machine.auto`` says what it picked here and why), and its planner then
 raises the similarity floor of every unverified row by the embedder's tolerance. This benchmark measures both
 sides of that trade on the quality benchmark's own pair generators (``workers.bench.pairs``: the evaluation and
 calibration captions and two more sets, every pair class and the negatives): the CPU milliseconds per prompt in
@@ -44,7 +45,7 @@ def run_embedder_bench(captions: int, say: Callable[[str], None]) -> dict[str, A
     import numpy as np
 
     from chorus_sched.embedding import word_diff
-    from chorus_sched.minilm import BF16_TOLERANCE, MiniLMEmbedder, native_bf16
+    from chorus_sched.minilm import BF16_TOLERANCE, MiniLMEmbedder, bf16_hardware
     from chorus_sched.planner import Planner, load_calibration
     from workers.bench import pairs as P
 
@@ -87,7 +88,7 @@ def run_embedder_bench(captions: int, say: Callable[[str], None]) -> dict[str, A
     )
     return {
         "format": "chorus-bench-embedder/1",
-        "machine": {"native_bf16": native_bf16()},
+        "machine": {"bf16_hardware": bf16_hardware(), "auto": _auto_choice()},
         "captions_per_set": captions,
         "pairs": len(pairs),
         "decisions": len(pairs) * len(STEPS),
@@ -98,6 +99,16 @@ def run_embedder_bench(captions: int, say: Callable[[str], None]) -> dict[str, A
         "reuses_more": {"total": sum(more.values()), "into_unverified_rows": unverified_more, **dict(more)},
         "reuses_less": {"total": sum(less.values()), **dict(less)},
     }
+
+
+def _auto_choice() -> dict[str, Any]:
+    """What ``auto`` picks on this machine, and its timing of both graphs at load (one thread, like the
+    scheduler's default)."""
+    from chorus_sched.minilm import MiniLMEmbedder
+
+    auto = MiniLMEmbedder(precision="auto", threads=1)
+    auto.embed(["a"])  # loads, and with it chooses
+    return {"numbers": auto.numbers, "probe_timings": auto.probe_timings}
 
 
 def _verified(planner: Any, row: str) -> bool:

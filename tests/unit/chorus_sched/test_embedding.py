@@ -293,37 +293,89 @@ def test_minilm_in_bfloat16_keeps_similarities_within_its_tolerance() -> None:
 
 @pytest.mark.slow
 def test_auto_precision_follows_the_cpu_and_keeps_its_margin_either_way(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import chorus_sched.minilm as minilm
 
     reference = MiniLMEmbedder(precision="float32").embed(_HELD_OUT)
-    monkeypatch.setattr(minilm, "native_bf16", lambda: False)
+    monkeypatch.setattr(minilm, "bf16_hardware", lambda: False)
     without = MiniLMEmbedder(precision="auto")
     assert without.embed(_HELD_OUT) == reference and without.numbers == "float32"  # float32's very numbers
+    assert without.probe_timings is None  # nothing to time without the instructions
     # the vectors it writes share an index with bfloat16 ones elsewhere: the margin stays
     assert without.similarity_tolerance == minilm.BF16_TOLERANCE
-    monkeypatch.setattr(minilm, "native_bf16", lambda: True)
-    with_amx = MiniLMEmbedder(precision="auto").embed(_HELD_OUT)
-    assert with_amx != reference
-    shifts = [abs(a - b) for a, b in zip(_similarities(reference), _similarities(with_amx), strict=True)]
+    monkeypatch.setattr(minilm, "bf16_hardware", lambda: True)
+    # With the instructions, the timing at load decides: bfloat16 only where it is faster.
+    slower = {"alone_ms": {}, "batch_ms": {}, "bfloat16_pays": False}
+    monkeypatch.setattr(minilm, "_probe_timings", lambda *args: slower)
+    not_faster = MiniLMEmbedder(precision="auto")
+    with caplog.at_level("INFO", logger="chorus_sched.minilm"):
+        assert not_faster.embed(_HELD_OUT) == reference
+    assert not_faster.numbers == "float32" and "bfloat16 is not faster" in caplog.text
+    assert not_faster.similarity_tolerance == minilm.BF16_TOLERANCE
+    monkeypatch.setattr(minilm, "_probe_timings", lambda *args: {**slower, "bfloat16_pays": True})
+    faster = MiniLMEmbedder(precision="auto")
+    with_bf16 = faster.embed(_HELD_OUT)
+    assert with_bf16 != reference and faster.numbers == "bfloat16"
+    shifts = [abs(a - b) for a, b in zip(_similarities(reference), _similarities(with_bf16), strict=True)]
     assert max(shifts) <= minilm.BF16_TOLERANCE
 
 
-def test_bfloat16_is_native_only_with_amx_that_onednn_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    from chorus_sched.minilm import native_bf16
+def test_the_timing_at_load_picks_bfloat16_only_when_it_is_clearly_faster() -> None:
+    import time
 
-    monkeypatch.setenv(
-        "ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16"
-    )  # AVX512-BF16 without AMX: slower than float32
-    assert native_bf16() is False
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     import torch
 
+    import chorus_sched.minilm as minilm
+
+    class Tokenizer:
+        def __call__(self, texts: list[str], **_: object) -> Any:
+            ids = torch.ones((len(texts), 4), dtype=torch.long)
+            return _Batch(input_ids=ids, attention_mask=ids)
+
+    class Model:
+        tokenizer, device = Tokenizer(), "cpu"
+
+    def graph(seconds_per_prompt: float) -> Any:
+        def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            time.sleep(seconds_per_prompt * len(input_ids))
+            return torch.zeros((len(input_ids), 3))
+
+        return run
+
+    fast, slow = graph(0.0005), graph(0.002)
+    assert minilm._probe_timings(Model(), slow, fast)["bfloat16_pays"] is True
+    timings = minilm._probe_timings(Model(), fast, slow)
+    assert timings["bfloat16_pays"] is False
+    assert timings["batch_ms"]["bfloat16"] > timings["alone_ms"]["bfloat16"] > 0
+    # as fast as float32 is not enough: bfloat16 costs the planner a margin, so it has to buy something
+    assert minilm._probe_timings(Model(), fast, fast)["bfloat16_pays"] is False
+
+
+class _Batch(dict[str, Any]):
+    def __getattr__(self, name: str) -> Any:
+        return self[name]
+
+    def to(self, device: str) -> _Batch:
+        return self
+
+
+def test_bfloat16_hardware_is_avx512_bf16_or_amx_that_onednn_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from chorus_sched.minilm import bf16_hardware
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert native_bf16() is False
+    assert bf16_hardware() is False
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert native_bf16() is True
+    assert bf16_hardware() is True
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # AMX there, but oneDNN may not use it
+    assert bf16_hardware() is False
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # AMD EPYC (Zen 4): no AMX
+    assert bf16_hardware() is True
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert bf16_hardware() is False
 
 
 @pytest.mark.slow
