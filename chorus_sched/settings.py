@@ -95,7 +95,7 @@ class SchedulerSettings(KafkaSettings):
     embed_threads: int = Field(default=1, ge=1, le=64)
     # MiniLM's numbers: bfloat16 on a CPU with bfloat16 instructions where it is timed faster at load (auto),
     # always float32 (the calibration's own; then on every scheduler sharing the index), or bfloat16 anyway.
-    # bfloat16 costs 2-2.8x less CPU per prompt in batches where it pays and moves similarities by up to ~0.004;
+    # bfloat16 costs 1.6-2.8x less CPU per prompt in batches where it pays and moves similarities by up to ~0.0045;
     # with auto or bfloat16 the planner raises its unverified rows' similarity floors by 0.005 (chorus_sched.minilm).
     embed_precision: Literal["auto", "float32", "bfloat16"] = "auto"
     # The planner's calibration table; empty means the one shipped in the package (chorus_sched/calibration.json).

@@ -313,69 +313,113 @@ def test_auto_precision_follows_the_cpu_and_keeps_its_margin_either_way(
         assert not_faster.embed(_HELD_OUT) == reference
     assert not_faster.numbers == "float32" and "bfloat16 is not faster" in caplog.text
     assert not_faster.similarity_tolerance == minilm.BF16_TOLERANCE
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("no timer here")
+
+    monkeypatch.setattr(minilm, "_probe_timings", broken)
+    unchecked = MiniLMEmbedder(precision="auto")
+    with caplog.at_level("WARNING", logger="chorus_sched.minilm"):
+        assert unchecked.embed(_HELD_OUT) == reference  # loads (the scheduler starts) in float32
+    assert unchecked.numbers == "float32" and "bfloat16 graph not checked" in caplog.text
     monkeypatch.setattr(minilm, "_probe_timings", lambda *args: {**slower, "bfloat16_pays": True})
     faster = MiniLMEmbedder(precision="auto")
     with_bf16 = faster.embed(_HELD_OUT)
-    assert with_bf16 != reference and faster.numbers == "bfloat16"
+    assert with_bf16 != reference and faster.numbers == "bfloat16" and faster.probe_timings is not None
     shifts = [abs(a - b) for a, b in zip(_similarities(reference), _similarities(with_bf16), strict=True)]
     assert max(shifts) <= minilm.BF16_TOLERANCE
 
 
-def test_the_timing_at_load_picks_bfloat16_only_when_it_is_clearly_faster() -> None:
-    import time
-
-    import torch
-
-    import chorus_sched.minilm as minilm
-
-    class Tokenizer:
-        def __call__(self, texts: list[str], **_: object) -> Any:
-            ids = torch.ones((len(texts), 4), dtype=torch.long)
-            return _Batch(input_ids=ids, attention_mask=ids)
-
-    class Model:
-        tokenizer, device = Tokenizer(), "cpu"
-
-    def graph(seconds_per_prompt: float) -> Any:
-        def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            time.sleep(seconds_per_prompt * len(input_ids))
-            return torch.zeros((len(input_ids), 3))
-
-        return run
-
-    fast, slow = graph(0.0005), graph(0.002)
-    assert minilm._probe_timings(Model(), slow, fast)["bfloat16_pays"] is True
-    timings = minilm._probe_timings(Model(), fast, slow)
-    assert timings["bfloat16_pays"] is False
-    assert timings["batch_ms"]["bfloat16"] > timings["alone_ms"]["bfloat16"] > 0
-    # as fast as float32 is not enough: bfloat16 costs the planner a margin, so it has to buy something
-    assert minilm._probe_timings(Model(), fast, fast)["bfloat16_pays"] is False
-
-
 class _Batch(dict[str, Any]):
-    def __getattr__(self, name: str) -> Any:
-        return self[name]
-
     def to(self, device: str) -> _Batch:
         return self
 
 
-def test_bfloat16_hardware_is_avx512_bf16_or_amx_that_onednn_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+class _FakeMiniLM:
+    """What ``_probe_timings`` uses of the model: a tokenizer of fixed-length ids, and the device."""
+
+    device = "cpu"
+
+    @staticmethod
+    def tokenizer(texts: list[str], **_: object) -> _Batch:
+        import torch
+
+        ids = torch.ones((len(texts), 4), dtype=torch.long)
+        return _Batch(input_ids=ids, attention_mask=ids)
+
+
+def _timings(monkeypatch: pytest.MonkeyPatch, ms32: tuple[float, float], ms16: tuple[float, float]) -> Any:
+    """``_probe_timings`` on fake graphs that take (alone, per prompt batched) ms on a fake clock, except in their
+    warm-up rounds (a graph not yet specialized runs otherwise), which the timing must leave out."""
+    import torch
+
+    import chorus_sched.minilm as minilm
+
+    now = [0.0]
+    monkeypatch.setattr(minilm, "_clock", lambda: now[0])
+
+    def graph(ms: tuple[float, float]) -> Any:
+        calls = [0]
+
+        def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            n = len(input_ids)
+            if (calls[0] - 1) % 10 >= 5:  # the warm-up rounds take no time: counted, they would win
+                now[0] += (ms[0] if n == 1 else ms[1] * n) / 1000
+            return torch.zeros((n, 3))
+
+        return run
+
+    return minilm._probe_timings(_FakeMiniLM(), graph(ms32), graph(ms16))
+
+
+def test_the_timing_at_load_picks_bfloat16_only_when_it_is_faster_alone_and_clearly_in_total(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    faster = _timings(monkeypatch, ms32=(8.0, 4.5), ms16=(6.0, 2.5))
+    assert faster["bfloat16_pays"] is True
+    assert faster["alone_ms"] == {"float32": 8.0, "bfloat16": 6.0}  # the warm-up rounds left out
+    assert faster["batch_ms"] == {"float32": 45.0, "bfloat16": 25.0}  # the ten probe prompts at once
+    assert _timings(monkeypatch, ms32=(6.0, 2.5), ms16=(8.0, 4.5))["bfloat16_pays"] is False
+    # as fast as float32 is not enough: bfloat16 costs the planner a margin, so it has to buy something
+    assert _timings(monkeypatch, ms32=(8.0, 4.5), ms16=(8.0, 4.2))["bfloat16_pays"] is False
+    # much faster in a backlog, slower alone: light traffic would pay for it
+    assert _timings(monkeypatch, ms32=(6.0, 4.5), ms16=(6.5, 2.0))["bfloat16_pays"] is False
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "cap", "usable"),
+    [
+        (False, False, None, False),  # emulated bfloat16 never pays
+        (True, False, None, True),  # AMD EPYC (Zen 4): AVX512-BF16, no AMX
+        (True, True, None, True),
+        (True, True, "ALL", True),
+        (True, True, "avx512_core_bf16", True),
+        (True, True, "AVX512_CORE_FP16", True),  # above AVX512_CORE_BF16 in oneDNN's order
+        (True, True, "AVX10_1_512", True),
+        (True, True, "AVX512_CORE_AMX", True),
+        (True, True, "AVX512_CORE_VNNI", False),  # below: oneDNN may not use the bfloat16 instructions
+        (True, True, "AVX2", False),
+    ],
+)
+def test_bfloat16_hardware_is_avx512_bf16_or_amx_that_onednn_may_use(
+    monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, amx: bool, cap: str | None, usable: bool
+) -> None:
     import torch
 
     from chorus_sched.minilm import bf16_hardware
 
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert bf16_hardware() is False
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert bf16_hardware() is True
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # AMX there, but oneDNN may not use it
-    assert bf16_hardware() is False
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # AMD EPYC (Zen 4): no AMX
-    assert bf16_hardware() is True
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert bf16_hardware() is False
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    if cap is not None:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert bf16_hardware() is usable
+    if cap is not None:  # oneDNN's older name for the same cap
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        monkeypatch.setenv("DNNL_MAX_CPU_ISA", cap)
+        assert bf16_hardware() is usable
 
 
 @pytest.mark.slow
