@@ -6,7 +6,7 @@ numeric precisions:
 - ``float32``: the package's own numbers (to ~1e-7); what the calibration table was measured with;
 - ``bfloat16``: the encoder's weights and activations in bfloat16 (pooling and normalization in float32). Per
   prompt (``chorus bench embedder``): on an Intel CPU with AMX 2.8× fewer CPU ms in batches of 32 and ~1.2×
-  alone; on an AMD EPYC with AVX512-BF16 and no AMX 1.6× and 1.3×; but on the AMX host with oneDNN capped at
+  alone; on an AMD EPYC with AVX512-BF16 and no AMX 1.6-2.0× and 1.3-1.55×; but on the AMX host with oneDNN capped at
   AVX512-BF16 it was 25-35% *slower* than float32. Whether it pays is therefore measured, not guessed. Cosine
   similarities move by at most ~0.0045 (over 10,240 benchmark pairs: 0.0036 on the AMX host, 0.0045 on the
   EPYC). An embedder that may write
