@@ -6,11 +6,10 @@ numeric precisions:
 - ``float32``: the package's own numbers (to ~1e-7); what the calibration table was measured with;
 - ``bfloat16``: the encoder's weights and activations in bfloat16 (pooling and normalization in float32). Per
   prompt (``chorus bench embedder``): on an Intel CPU with AMX 2.8× fewer CPU ms in batches of 32 and ~1.2×
-  alone; on an AMD EPYC with AVX512-BF16 and no AMX 1.6-2.0× and 1.3-1.55×; but on the AMX host with oneDNN capped at
-  AVX512-BF16 it was 25-35% *slower* than float32. Whether it pays is therefore measured, not guessed. Cosine
-  similarities move by at most ~0.0045 (over 10,240 benchmark pairs: 0.0036 on the AMX host, 0.0045 on the
-  EPYC). An embedder that may write
-  bfloat16 vectors (``auto`` or ``bfloat16``) carries ``BF16_TOLERANCE`` as its ``similarity_tolerance``, and
+  alone; on an AMD EPYC with AVX512-BF16 and no AMX 1.6-2.0× and 1.3-1.55×; but on the AMX host with oneDNN
+  capped at AVX512-BF16 it was 25-35% *slower* than float32. Whether it pays is therefore measured, not guessed.
+  Cosine similarities move by at most ~0.0045 (over 10,240 benchmark pairs: 0.0036 on the AMX host, 0.0045 on
+  the EPYC). An embedder that may write bfloat16 vectors (``auto`` or ``bfloat16``) carries ``BF16_TOLERANCE`` as its ``similarity_tolerance``, and
   the scheduler's planner raises each *unverified* row's similarity floor by it: such a row may refuse a pair
   float32 admits, never admit one it refuses (a verified row keeps its floor: the worker's model check is its
   safety). The tolerance holds whichever precision this process ends up with, because donor vectors outlive it
@@ -22,7 +21,8 @@ instructions (AVX512-BF16 or AMX, as torch reports them, and unless ``ONEDNN_MAX
 when the bfloat16 graph agrees with float32 on ``PROBE_PROMPTS`` *and* is faster, timed at load on a lone probe
 prompt and on all of them batched (best of ``TIMING_RUNS``; bfloat16 must be no slower alone and take at most
 ``BF16_MUST_TAKE`` of float32's total); float32 otherwise. Being timed, a CPU near that line may pick either from
-one start to the next (the margin holds either way); set ``float32`` or ``bfloat16`` to pin it. The library default is float32, the calibration's and benchmarks' reference.
+one start to the next (the margin holds either way); set ``float32`` or ``bfloat16`` to pin it. The library
+default is float32, the calibration's and benchmarks' reference.
 """
 
 from __future__ import annotations
