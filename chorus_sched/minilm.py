@@ -9,10 +9,10 @@ numeric precisions:
   alone; on an AMD EPYC with AVX512-BF16 and no AMX 1.6-2.0× and 1.3-1.55×; but on the AMX host with oneDNN
   capped at AVX512-BF16 it was 25-35% *slower* than float32. Whether it pays is therefore measured, not guessed.
   Cosine similarities move by at most ~0.0045 (over 10,240 benchmark pairs: 0.0036 on the AMX host, 0.0045 on
-  the EPYC). An embedder that may write bfloat16 vectors (``auto`` or ``bfloat16``) carries ``BF16_TOLERANCE`` as its ``similarity_tolerance``, and
-  the scheduler's planner raises each *unverified* row's similarity floor by it: such a row may refuse a pair
-  float32 admits, never admit one it refuses (a verified row keeps its floor: the worker's model check is its
-  safety). The tolerance holds whichever precision this process ends up with, because donor vectors outlive it
+  the EPYC). An embedder that may write bfloat16 vectors (``auto`` or ``bfloat16``) carries ``BF16_TOLERANCE``
+  as its ``similarity_tolerance``, and the scheduler's planner raises each *unverified* row's similarity floor
+  by it: such a row may refuse a pair float32 admits, never admit one it refuses (a verified row keeps its
+  floor: the worker's model check is its safety). The tolerance holds whichever precision this process ends up with, because donor vectors outlive it
   in a shared or persistent index; an explicit ``float32`` fleet sharing an index with bfloat16 writers should
   not be mixed (set the same precision everywhere).
 
