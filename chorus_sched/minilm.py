@@ -12,9 +12,9 @@ numeric precisions:
   the EPYC). An embedder that may write bfloat16 vectors (``auto`` or ``bfloat16``) carries ``BF16_TOLERANCE``
   as its ``similarity_tolerance``, and the scheduler's planner raises each *unverified* row's similarity floor
   by it: such a row may refuse a pair float32 admits, never admit one it refuses (a verified row keeps its
-  floor: the worker's model check is its safety). The tolerance holds whichever precision this process ends up with, because donor vectors outlive it
-  in a shared or persistent index; an explicit ``float32`` fleet sharing an index with bfloat16 writers should
-  not be mixed (set the same precision everywhere).
+  floor: the worker's model check is its safety). The tolerance holds whichever precision this process ends up
+  with, because donor vectors outlive it in a shared or persistent index; an explicit ``float32`` fleet sharing
+  an index with bfloat16 writers should not be mixed (set the same precision everywhere).
 
 ``auto`` (the scheduler's default, ``CHORUS_EMBED_PRECISION``) takes bfloat16 on a CPU device with bfloat16
 instructions (AVX512-BF16 or AMX, as torch reports them, and unless ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below them)
