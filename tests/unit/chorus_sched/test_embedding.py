@@ -387,6 +387,15 @@ def test_the_timing_at_load_picks_bfloat16_only_when_it_is_faster_alone_and_clea
     assert _timings(monkeypatch, ms32=(6.0, 4.5), ms16=(6.5, 2.0))["bfloat16_pays"] is False
 
 
+def test_the_probe_check_keeps_a_share_of_the_tolerance_for_the_pairs_it_does_not_see() -> None:
+    from chorus_sched.minilm import BF16_TOLERANCE, PROBE_PROMPTS, PROBE_SHARE, probe_agrees
+
+    assert probe_agrees(0.0030)  # the AMD EPYC's probe, whose 10,240 benchmark pairs moved 0.0045 at most
+    assert not probe_agrees(0.0036)  # a CPU moving the probe this far could move other pairs past the margin
+    assert not probe_agrees(BF16_TOLERANCE)
+    assert 0 < PROBE_SHARE < 1 and len(set(PROBE_PROMPTS)) == len(PROBE_PROMPTS) >= 32
+
+
 @pytest.mark.parametrize(
     ("avx512_bf16", "amx", "cap", "usable"),
     [
