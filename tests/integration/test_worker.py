@@ -655,8 +655,13 @@ def test_a_request_whose_video_cannot_be_stored_fails_and_leaves_no_trajectory(
     deleted = [
         r.__dict__["objects"] for r in caplog.records if r.getMessage() == "partial trajectory deleted"
     ]
-    # The header alone, or the header and every step.
-    assert deleted == [1 if replies_lost else 1 + request.num_steps]
+    # The header alone (its reply lost, the stream stopped), or the header and the steps streamed before the
+    # refusal: the last may still have been queued then, and abandoning the upload drops it unsent (one CI run
+    # deleted 4 of 5). Either way nothing is left behind.
+    if replies_lost:
+        assert deleted == [1]
+    else:
+        assert len(deleted) == 1 and 1 <= deleted[0] <= 1 + request.num_steps
     assert list(store.list(prefix)) == []
     (published,) = list(results.wait([request.request_id], timeout_s=RESULT_TIMEOUT_S))
     assert published.status is ResultStatus.FAILED
