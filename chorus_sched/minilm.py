@@ -182,16 +182,16 @@ class MiniLMEmbedder:
         graph16 = _frozen_pipeline(model, bf16=True)
         try:
             moved = None if graph16 is None else _similarity_shift(model, graph32, graph16)
-            if moved is not None and probe_agrees(moved) and auto:
+            if moved is None or not probe_agrees(moved):
+                log.warning(
+                    "MiniLM bfloat16 graph unusable here; embedding in float32",
+                    extra={"similarity_shift": moved, "tolerance": BF16_TOLERANCE},
+                )
+                return graph32
+            if auto:
                 self.probe_timings = _probe_timings(model, graph32, graph16)
         except Exception as exc:  # an unusual build: float32 still works, and the scheduler must start
             log.warning("MiniLM bfloat16 graph not checked; embedding in float32", extra={"error": repr(exc)})
-            return graph32
-        if moved is None or not probe_agrees(moved):
-            log.warning(
-                "MiniLM bfloat16 graph unusable here; embedding in float32",
-                extra={"similarity_shift": moved, "tolerance": BF16_TOLERANCE},
-            )
             return graph32
         if self.probe_timings is not None:
             if not self.probe_timings["bfloat16_pays"]:
