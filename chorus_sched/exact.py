@@ -9,6 +9,13 @@ decided at intake before any embedding or search:
   run fails, each waiting request is sent to the workers as a full order of its own;
 - neither: the request runs, and is recorded as the one running for its fingerprint.
 
+*Another seed.* A request that differs only in its seed (``any_seed_fingerprint``) and does not keep its seed is
+served the same way, with ``seed_honoured: false``. Reuse would give it exactly that video anyway: a Stage-1 donor
+with the same prompt and settings hands over its latent after k1 steps, and the steps computed from there repeat
+the donor's own computation (same latent, timestep, prompt and guidance), so the output is the donor's video bit
+for bit (tests/unit/workers/engine/test_same_prompt_toy.py): the worker's steps were pure cost. A request that
+wants its own seed's sample says ``keep_seed`` and is computed.
+
 Everything lives in the ledger (values and waiting lists under the fingerprint), so any scheduler instance can
 answer what another started. Entries expire with the donor TTL; a video is never deleted by cache eviction.
 """
@@ -40,8 +47,15 @@ log = logging.getLogger(__name__)
 
 class ExactOutcome(StrEnum):
     SERVED = "served"  # answered from a stored result
-    COALESCED = "coalesced"  # waits for an identical request still running
+    COALESCED = "coalesced"  # waits for an identical request (or one of another seed) still running
     RUN = "run"  # nothing identical: schedule it
+
+
+class Match(StrEnum):
+    """Which key found the result: the request's own fingerprint, or its prompt and settings with another seed."""
+
+    SAME_SEED = "same_seed"
+    OTHER_SEED = "other_seed"
 
 
 class ExactHits:
@@ -64,48 +78,69 @@ class ExactHits:
         self.clock = clock
 
     def _scope(self, request: GenerationRequest) -> str:
-        scope = "*" if self.settings.cross_tenant_reuse else request.tenant
-        return f"exact:{scope}:{request.fingerprint}"
+        return f"exact:{self._tenancy(request)}:{request.fingerprint}"
+
+    def _any_seed_scope(self, request: GenerationRequest) -> str:
+        return f"exact:{self._tenancy(request)}:any-seed:{request.any_seed_fingerprint}"
+
+    def _tenancy(self, request: GenerationRequest) -> str:
+        return "*" if self.settings.cross_tenant_reuse else request.tenant
+
+    def _keys(self, request: GenerationRequest) -> list[tuple[str, Match]]:
+        """Where an answer for ``request`` may be found, best first: its own seed's, then (unless it keeps its
+        seed) another seed's."""
+        keys = [(self._scope(request), Match.SAME_SEED)]
+        if not request.keep_seed:
+            keys.append((self._any_seed_scope(request), Match.OTHER_SEED))
+        return keys
 
     # --- intake ----------------------------------------------------------------------------------------------
     def twin_key(self, request: GenerationRequest) -> str | None:
-        """What identical requests share, for a request that would wait for an identical one running (None: one
-        that would not): the intake holds back a poll's second identical request until the first is dispatched."""
+        """What requests that may wait for one another share (the prompt and settings, any seed), for a request
+        that would wait for one running (None: one that would not): the intake holds back a poll's second such
+        request until the first is dispatched."""
         if request.reuse is not ReusePolicy.AUTO or not self.settings.exact_hits or request.keep_seed:
             return None
-        return self._scope(request)
+        return self._any_seed_scope(request)
 
     def admit(self, request: GenerationRequest) -> ExactOutcome:
         """Serve, coalesce or let run one claimed request (``reuse: off`` always runs)."""
         if request.reuse is ReusePolicy.OFF or not self.settings.exact_hits:
             return ExactOutcome.RUN
-        key = self._scope(request)
-        stored = self._stored(key, request)
-        if stored is not None:
-            self._serve(request, stored, "stored")
-            return ExactOutcome.SERVED
-        running = self.ledger.get_value(f"{key}:running")
-        # Only a run still in flight is waited for: one that ended without telling us must not hold others. A
-        # request that keeps its seed does not wait for a run that might not honour it.
-        if (
-            request.keep_seed
-            or running is None
-            or running == request.job_id
-            or self.ledger.state(running) not in (RequestState.ACCEPTED, RequestState.DISPATCHED)
-        ):
+        keys = self._keys(request)
+        for key, match in keys:
+            stored = self._stored(key, request)
+            if stored is not None:
+                self._serve(request, stored, "stored", match)
+                return ExactOutcome.SERVED
+        if request.keep_seed:  # it does not wait for a run that might not honour its seed
             return ExactOutcome.RUN
+        for key, match in keys:
+            running = self.ledger.get_value(f"{key}:running")
+            # Only a run still in flight is waited for: one that ended without telling us must not hold others.
+            if (
+                running is not None
+                and running != request.job_id
+                and self.ledger.state(running) in (RequestState.ACCEPTED, RequestState.DISPATCHED)
+            ):
+                self._wait(request, key, match, running)
+                return ExactOutcome.COALESCED
+        return ExactOutcome.RUN
+
+    def _wait(self, request: GenerationRequest, key: str, match: Match, running: str) -> None:
         self.ledger.add_waiter(key, request.model_dump_json())
         self.ledger.set_state(request.job_id, RequestState.COALESCED)
         # The run may have finished between the check and the push, its result taking an empty waiting list:
         # look again, and answer whatever waits now (taking the list is atomic, so nothing is answered twice).
         if self.ledger.get_value(f"{key}:running") != running:
-            self._answer_waiters(key, self._stored(key, None))
-        METRICS.exact_hits.labels(kind="coalesced").inc()
+            self._answer_waiters(key, match, self._stored(key, None))
+        METRICS.exact_hits.labels(kind=_kind("coalesced", match)).inc()
         log.info(
-            "identical request running; this one waits for its result",
+            "identical request running; this one waits for its result"
+            if match is Match.SAME_SEED
+            else "the same prompt and settings with another seed running; this one waits for its video",
             extra={"request_id": request.request_id, "tenant": request.tenant, "running": running},
         )
-        return ExactOutcome.COALESCED
 
     def _stored(self, key: str, request: GenerationRequest | None) -> GenerationResult | None:
         raw = self.ledger.get_value(f"{key}:done")
@@ -117,11 +152,11 @@ class ExactHits:
         return stored
 
     def running(self, request: GenerationRequest) -> None:
-        """Record ``request`` (dispatched now) as the one running for its fingerprint."""
+        """Record ``request`` (dispatched now) as the one running for its fingerprint, and for its prompt and
+        settings with any seed."""
         if request.reuse is ReusePolicy.AUTO and self.settings.exact_hits:
-            self.ledger.put_value(
-                f"{self._scope(request)}:running", request.job_id, ttl_s=self.settings.donor_ttl_s
-            )
+            for key in (self._scope(request), self._any_seed_scope(request)):
+                self.ledger.put_value(f"{key}:running", request.job_id, ttl_s=self.settings.donor_ttl_s)
 
     # --- results ---------------------------------------------------------------------------------------------
     def on_result(self, record: RequestRecord, result: GenerationResult) -> None:
@@ -131,16 +166,26 @@ class ExactHits:
         request = WorkOrder.model_validate_json(record.order).request
         if request.reuse is not ReusePolicy.AUTO:
             return
-        key = self._scope(request)
-        if self.ledger.get_value(f"{key}:running") == request.job_id:
-            self.ledger.delete_value(f"{key}:running")
         served = result.status is ResultStatus.DONE and result.video_uri is not None
-        if served:
-            self.ledger.put_value(f"{key}:done", result.model_dump_json(), ttl_s=self.settings.donor_ttl_s)
-        self._answer_waiters(key, result if served else None, failed=None if served else result)
+        for key, match in (
+            (self._scope(request), Match.SAME_SEED),
+            (self._any_seed_scope(request), Match.OTHER_SEED),
+        ):
+            if self.ledger.get_value(f"{key}:running") == request.job_id:
+                self.ledger.delete_value(f"{key}:running")
+            if served:
+                self.ledger.put_value(
+                    f"{key}:done", result.model_dump_json(), ttl_s=self.settings.donor_ttl_s
+                )
+            self._answer_waiters(key, match, result if served else None, failed=None if served else result)
 
     def _answer_waiters(
-        self, key: str, result: GenerationResult | None, *, failed: GenerationResult | None = None
+        self,
+        key: str,
+        match: Match,
+        result: GenerationResult | None,
+        *,
+        failed: GenerationResult | None = None,
     ) -> None:
         """Answer every request waiting under ``key`` from ``result``, or run each in full. If answering one
         fails (Kafka, the broker), the ones not yet answered are put back to wait for the retry."""
@@ -148,7 +193,7 @@ class ExactHits:
         for i, request in enumerate(waiting):
             try:
                 if result is not None:
-                    self._serve(request, result, "coalesced")
+                    self._serve(request, result, "coalesced", match)
                 else:
                     self._run_in_full(request, failed)
             except Exception:
@@ -156,7 +201,7 @@ class ExactHits:
                     self.ledger.add_waiter(key, left.model_dump_json())
                 raise
 
-    def _serve(self, request: GenerationRequest, source: GenerationResult, kind: str) -> None:
+    def _serve(self, request: GenerationRequest, source: GenerationResult, how: str, match: Match) -> None:
         answer = GenerationResult(
             request_id=request.request_id,
             tenant=request.tenant,
@@ -169,8 +214,9 @@ class ExactHits:
             tokens_computed_fraction=0.0,
             reuse=ReuseKind.EXACT,
             served_from=source.job_id,
-            # The video is the source's: so is what it says of the seed and the prompt it was made from.
-            seed_honoured=source.seed_honoured,
+            # The video is the source's: so is what it says of the prompt it was made from, and of the seed when
+            # the seeds are the same (another seed's video is never this seed's sample).
+            seed_honoured=source.seed_honoured and match is Match.SAME_SEED,
             prompt_tokens_used=source.prompt_tokens_used,
             prompt_truncated=source.prompt_truncated,
             request_key=request.answer_key,
@@ -179,9 +225,11 @@ class ExactHits:
         self.resends.keep(answer)
         self.ledger.set_state(request.job_id, RequestState.DONE)
         self.resends.try_answer_waiting(answer)
-        METRICS.exact_hits.labels(kind=kind).inc()
+        METRICS.exact_hits.labels(kind=_kind(how, match)).inc()
         log.info(
-            "exact hit: answered from an identical request's result",
+            "exact hit: answered from an identical request's result"
+            if match is Match.SAME_SEED
+            else "exact hit: answered with the video of the same prompt and settings from another seed",
             extra={"request_id": request.request_id, "tenant": request.tenant, "served_from": source.job_id},
         )
 
@@ -210,3 +258,8 @@ class ExactHits:
                 "status": str(failed.status) if failed else None,
             },
         )
+
+
+def _kind(how: str, match: Match) -> str:
+    """The ``chorus_exact_hits`` label: stored or coalesced, with ``_other_seed`` for another seed's video."""
+    return how if match is Match.SAME_SEED else f"{how}_other_seed"

@@ -147,11 +147,14 @@ class SchedulerMetrics:
         self.exact_hits = Counter(
             "chorus_exact_hits",
             "Requests answered from an identical request's result with no worker compute, by kind: stored "
-            "(answered at once) or coalesced (waited for an identical request in flight).",
+            "(answered at once) or coalesced (waited for an identical request in flight); *_other_seed: the "
+            "same prompt and settings with another seed (the video a same-prompt donor would give exactly).",
             ["kind"],
             registry=registry,
         )
-        zero_series(self.exact_hits, kind=("stored", "coalesced"))
+        zero_series(
+            self.exact_hits, kind=("stored", "coalesced", "stored_other_seed", "coalesced_other_seed")
+        )
         self.redispatched = Counter(
             "chorus_orders_lost",
             "Orders no result came for, by what the watchdog did: sent again or answered failed (their worker "

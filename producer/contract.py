@@ -188,13 +188,24 @@ class GenerationRequest(_Wire):
     def fingerprint(self) -> str:
         """Equal for two requests that must produce the same video: model, shape, steps and scheduler (the
         compatibility key), prompt, negative prompt, seed and guidance. Not the tenant, id, priority or reuse."""
+        return self._settings_digest(self.seed)
+
+    @property
+    def any_seed_fingerprint(self) -> str:
+        """The fingerprint without the seed: equal for two requests that differ at most in their seed. Any video
+        of one is a video of the other's prompt and settings (from another noise); a Stage-1 donor with the same
+        prompt reproduces its donor's video exactly, which is why the scheduler serves such requests whole
+        (``chorus_sched.exact``) unless they keep their seed."""
+        return self._settings_digest(None)
+
+    def _settings_digest(self, seed: int | None) -> str:
         canonical = json.dumps(
             [
                 FINGERPRINT_VERSION,
                 self.compatibility_key,
                 self.prompt,
                 self.negative_prompt,
-                self.seed,
+                seed,
                 repr(float(self.guidance_scale)),
             ]
         )
@@ -212,8 +223,9 @@ FINGERPRINT_VERSION = 1
 
 
 class ReuseKind(StrEnum):
-    """What a result's video is: served whole from an identical earlier request (``exact``), started from a
-    donor's latent (``stage1``), recomputed only where the prompt differs (``stage2``), or computed in full."""
+    """What a result's video is: served whole from an earlier request's result (``exact``: the same prompt and
+    settings; another seed's video where ``seed_honoured`` is false), started from a donor's latent
+    (``stage1``), recomputed only where the prompt differs (``stage2``), or computed in full."""
 
     EXACT = "exact"
     STAGE1 = "stage1"

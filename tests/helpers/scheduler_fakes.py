@@ -279,6 +279,15 @@ def make_ports(tmp_path: Any, planner: Planner | None = None, embedder: FakeEmbe
     return Ports(scheduler, ledger, index, embedder, dispatcher, published)
 
 
+def recased(prompt: str, variant: int = 1) -> str:
+    """``prompt`` with the words that ``variant``'s bits pick upper-cased (0: unchanged; each variant another
+    text): the same words to the embedders and the word diff. A request of the very same text with another seed
+    is served its twin's video (``chorus_sched.exact``); a recased one is planned like it, with a donor, which is
+    what tests of donor reuse want."""
+    words = prompt.split(" ")
+    return " ".join(w.upper() if variant >> j & 1 else w for j, w in enumerate(words))
+
+
 def request(prompt: str = PROMPT, **fields: Any) -> GenerationRequest:
     # The default tenant, whose job ids are its request ids; tenancy has its own tests below.
     return build_request(prompt=prompt, model="toy", tenant=fields.pop("tenant", "default"), **fields)

@@ -9,6 +9,7 @@ shared by the ``chorus``, ``tgaa`` (``alpha1`` and ``probes``) and ``chorus_cach
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -36,10 +37,28 @@ PROBE_K1, PROBE_K2 = 0.25, 0.5
 Frames = dict[tuple[int, int, str], tuple[np.ndarray, Outcome, str]]
 
 
+SERVED = "served (another seed's video)"
+
+
 def _copy_outcome(o: Outcome) -> Outcome:
     c = copy.copy(o)
     c.reused = False
     return c
+
+
+def _served(donor: Outcome) -> Outcome:
+    """What the scheduler answers a same-prompt request of another seed: the donor's clip, nothing computed."""
+    return dataclasses.replace(
+        donor,
+        steps_computed=0,
+        tokens_fraction=0.0,
+        block_fraction=0.0,
+        reused=True,
+        fallback=None,
+        seconds=0.0,
+        stage2_fractions=(),
+        verification=None,
+    )
 
 
 @dataclass
@@ -265,15 +284,20 @@ class StepCountBench:
         keep = t.index in self.sheet_targets and cls == SHEET_CLASSES[t.index % len(SHEET_CLASSES)]
         choice = self.planner.plan(info.similarity, word_diff(info.pair.donor_prompt, t.prompt), n)
         plan = choice.plan
-        rows.plans[plan_label(plan)] += 1
-        needs_donor = plan.reuses or run_probe
+        # The very same prompt and settings with another seed: the scheduler serves the donor's video whole
+        # (chorus_sched.exact; what a Stage-1 plan from it would compute, bit for bit), unless the request keeps
+        # its seed, which the benchmark's do not.
+        served = info.pair.donor_prompt == t.prompt
+        rows.plans[SERVED if served else plan_label(plan)] += 1
+        needs_donor = served or plan.reuses or run_probe
         donor: Trajectory | None = None
+        d_out: Outcome | None = None
         if needs_donor and ({"chorus", "tgaa", "chorus-cachedit"} & self.want):
             d_out, donor = self.suite.donor(info.pair, n, keep_frames=keep)
             if keep and d_out.frames is not None:
                 self.frames[(n, t.index, "donor")] = (d_out.frames, d_out, f"donor ({cls})")
         if "chorus" in self.want:
-            self.chorus(t, plan, donor, keep, rows.chorus)
+            self.chorus(t, plan, donor, keep, rows.chorus, served_video=d_out if served else None)
             rows.chorus.outcomes[-1].changed = info.pair.changed
         if "tgaa" in self.want and plan.reuses and plan.stage2_steps > 0 and plan.alpha > 1.0:
             self.alpha1(t, plan, donor, rows)
@@ -282,10 +306,23 @@ class StepCountBench:
         if "chorus-cachedit" in self.want:
             self.chorus_cachedit(t, plan, donor, keep, rows.combined)
 
-    def chorus(self, t: Target, plan: ReusePlan, donor: Trajectory | None, keep: bool, row: Row) -> None:
-        """The planner's plan; a plan without reuse is the no-reuse outcome (everything is seeded)."""
+    def chorus(
+        self,
+        t: Target,
+        plan: ReusePlan,
+        donor: Trajectory | None,
+        keep: bool,
+        row: Row,
+        served_video: Outcome | None = None,
+    ) -> None:
+        """The planner's plan; a plan without reuse is the no-reuse outcome (everything is seeded); a request
+        served another seed's video of its prompt (``served_video``) computes nothing."""
         n = self.n
-        if plan.reuses:
+        label = f"Chorus {plan_label(plan)}"
+        if served_video is not None:
+            o = _served(served_video)
+            label = f"Chorus: {SERVED}"
+        elif plan.reuses:
             o = self.suite.runner.run(
                 t.prompt, t.seed, n, t.attributes, plan=plan, donor=donor, keep_frames=keep
             )
@@ -294,7 +331,7 @@ class StepCountBench:
             if keep and (n, t.index, "no-reuse") in self.frames:
                 o.frames = self.frames[(n, t.index, "no-reuse")][0]
         if keep and o.frames is not None:
-            self.frames[(n, t.index, "chorus")] = (o.frames, o, f"Chorus {plan_label(plan)}")
+            self.frames[(n, t.index, "chorus")] = (o.frames, o, label)
         row.add(o)
         self.pooled.add(copy.copy(o))
         self.pooled_base.append(self.base_all[t.index])

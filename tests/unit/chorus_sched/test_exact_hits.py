@@ -49,8 +49,10 @@ def test_an_identical_request_is_answered_from_the_stored_result_with_no_worker(
 @pytest.mark.parametrize(
     "other",
     [
-        {"seed": 8},
+        {"seed": 8, "keep_seed": True},
         {"tenant": "someone-else"},
+        {"tenant": "someone-else", "seed": 8},
+        {"guidance_scale": 3.0, "seed": 8},
         {"reuse": "off"},
         {"prompt": "a red circle moving left on a black background"},
     ],
@@ -122,10 +124,83 @@ def test_a_request_that_keeps_its_seed_takes_no_donor_of_another_seed(ports: Por
     ports.scheduler.handle_requests([Msg(request(request_id="donor", seed=1).to_bytes(), 0)])
     ports.scheduler.handle_results([Msg(done("donor").to_bytes(), 0, topic="results")])
     ports.scheduler.handle_requests([Msg(request(request_id="mine", seed=2, keep_seed=True).to_bytes(), 1)])
-    ports.scheduler.handle_requests([Msg(request(request_id="any", seed=3).to_bytes(), 2)])
-    mine, anyone = ports.dispatcher.orders[1:]
-    assert mine.donor is None and mine.plan == ReusePlan.full(4)
-    assert anyone.donor is not None and anyone.donor.request_id == "donor" and anyone.plan.reuses
+    [mine] = ports.dispatcher.orders[1:]
+    assert mine.donor is None and mine.plan == ReusePlan.full(4) and ports.results() == []
+    # a reworded prompt (not the same text) still gets a Stage-1 donor of another seed
+    ports.scheduler.handle_requests([Msg(request(PROMPT + ".", request_id="any", seed=3).to_bytes(), 2)])
+    anyone = ports.dispatcher.orders[-1]
+    assert anyone.request.request_id == "any" and anyone.donor is not None and anyone.plan.reuses
+
+
+# --- the same prompt and settings, another seed ------------------------------------------------------------------
+
+
+def test_the_same_prompt_with_another_seed_is_served_the_stored_video_saying_the_seed_was_not_honoured(
+    ports: Ports,
+) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="orig", seed=7).to_bytes(), 0)])
+    ports.scheduler.handle_results([Msg(done("orig").to_bytes(), 0, topic="results")])
+    ports.scheduler.handle_requests([Msg(request(request_id="reseed", seed=8).to_bytes(), 1)])
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["orig"]  # no worker for it
+    [answer] = ports.results()
+    assert answer.request_id == "reseed" and answer.reuse is ReuseKind.EXACT and answer.served_from == "orig"
+    assert answer.video_uri == "s3://chorus/videos/orig.mp4" and answer.steps_computed == 0
+    assert answer.seed_honoured is False  # another seed's video: said so
+    # the same seed as the stored one is an exact hit and keeps what the source says of its seed
+    ports.scheduler.handle_requests([Msg(request(request_id="again", seed=7).to_bytes(), 2)])
+    assert ports.results()[-1].seed_honoured is True
+
+
+def test_requests_of_other_seeds_wait_for_the_same_prompt_running_and_exact_twins_keep_their_seed(
+    ports: Ports,
+) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="runner", seed=3).to_bytes(), 0)])
+    batch = [request(request_id="reseed-a", seed=4), request(request_id="twin", seed=3)]
+    batch.append(request(request_id="reseed-b", seed=5))
+    ports.scheduler.handle_requests([Msg(r.to_bytes(), 1 + i) for i, r in enumerate(batch)])
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["runner"]  # run once
+    assert ports.ledger.state("reseed-a") == "coalesced" and ports.scheduler.stats.exact_hits == 3
+    ports.scheduler.handle_results([Msg(done("runner").to_bytes(), 0, topic="results")])
+    answers = {a.request_id: a for a in ports.results()}
+    assert sorted(answers) == ["reseed-a", "reseed-b", "twin"]
+    assert all(a.served_from == "runner" and a.steps_computed == 0 for a in answers.values())
+    assert {rid: a.seed_honoured for rid, a in answers.items()} == {
+        "reseed-a": False,
+        "reseed-b": False,
+        "twin": True,
+    }
+
+
+def test_same_prompt_requests_of_several_seeds_in_one_poll_run_once(ports: Ports) -> None:
+    batch = [request(request_id=f"s{seed}", seed=seed) for seed in (1, 2, 3)]
+    ports.scheduler.handle_requests([Msg(r.to_bytes(), i) for i, r in enumerate(batch)])
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["s1"]
+    ports.scheduler.handle_results([Msg(done("s1").to_bytes(), 0, topic="results")])
+    assert sorted(a.request_id for a in ports.results()) == ["s2", "s3"]
+
+
+def test_a_request_that_keeps_its_seed_neither_waits_for_nor_is_served_another_seeds_video(
+    ports: Ports,
+) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="runner", seed=3).to_bytes(), 0)])
+    ports.scheduler.handle_requests([Msg(request(request_id="mine", seed=4, keep_seed=True).to_bytes(), 1)])
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["runner", "mine"]
+    ports.scheduler.handle_results([Msg(done("runner").to_bytes(), 0, topic="results")])
+    assert ports.results() == []
+    # its own result stands for later requests of any seed that do not keep theirs
+    ports.scheduler.handle_results([Msg(done("mine").to_bytes(), 0, topic="results")])
+    ports.scheduler.handle_requests([Msg(request(request_id="later", seed=4).to_bytes(), 2)])
+    [answer] = ports.results()
+    assert answer.served_from == "mine" and answer.seed_honoured is True
+
+
+def test_requests_of_another_seed_waiting_for_a_run_that_failed_are_run_in_full(ports: Ports) -> None:
+    ports.scheduler.handle_requests([Msg(request(request_id="runner", seed=3).to_bytes(), 0)])
+    ports.scheduler.handle_requests([Msg(request(request_id="reseed", seed=9).to_bytes(), 1)])
+    failed = GenerationResult(request_id="runner", tenant="default", status=ResultStatus.FAILED)
+    ports.scheduler.handle_results([Msg(failed.to_bytes(), 0, topic="results")])
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["runner", "reseed"]
+    assert ports.dispatcher.orders[-1].plan == ReusePlan.full(4) and ports.results() == []
 
 
 def test_a_run_that_ends_while_an_identical_request_starts_waiting_still_answers_it(ports: Ports) -> None:

@@ -31,6 +31,7 @@ from producer.contract import (
     build_request,
 )
 from producer.orders import MAINTENANCE_QUEUE, queue_for
+from tests.helpers.scheduler_fakes import recased
 
 PROMPT = "a red circle moving left on a white background"
 OTHER = "a green triangle moving up on a black background"
@@ -185,7 +186,7 @@ def test_the_scheduler_counts_requests_lookups_results_hits_and_cache(
     assert c("chorus_scheduler_phase_duration_seconds_count", phase="search") == 1
     assert c("chorus_scheduler_phase_duration_seconds_count", phase="dispatch") == 1
 
-    follow = req(request_id="follow", seed=2)
+    follow = req(recased(PROMPT), request_id="follow", seed=2)  # the same words: a follower, no exact hit
     other = req(OTHER, request_id="other")
     stranger = req(request_id="stranger", tenant="zeta")
     sched.handle_requests([Msg(r.to_bytes(), 3 + i) for i, r in enumerate((follow, other, stranger))])
@@ -256,7 +257,9 @@ def test_a_poll_is_scheduled_in_submission_order_not_partition_order(
 ) -> None:
     sched, _published = scheduler
     first = req(request_id="first", seed=1)
-    later = req(request_id="later", seed=2, submitted_at=first.submitted_at + timedelta(seconds=1))
+    later = req(
+        recased(PROMPT), request_id="later", seed=2, submitted_at=first.submitted_at + timedelta(seconds=1)
+    )
     # the later request's partition is read first
     sched.handle_requests([Msg(later.to_bytes(), 0), Msg(first.to_bytes(), 1)])
     leader = sched.index.get(first.job_id)

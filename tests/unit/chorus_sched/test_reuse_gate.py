@@ -11,7 +11,7 @@ from chorus_sched.embedding import word_diff
 from chorus_sched.planner import Planner, parse_calibration
 from chorus_sched.reuse_gate import GateConfig, VerifiedReuseGate
 from producer.contract import DonorInfo, GenerationResult, ResultStatus, ReusePlan, VerificationReport
-from tests.helpers.scheduler_fakes import Msg, done, make_ports, request
+from tests.helpers.scheduler_fakes import PROMPT, Msg, done, make_ports, recased, request
 from tests.unit.chorus_sched.test_planner_verification import RED, _with_verified_row
 
 OTHER_WORDS = "a crimson ring drifting leftward over a pale backdrop"
@@ -132,7 +132,10 @@ def _checked(rid: str, decision: str, similarity: float) -> bytes:
 
 def _dispatched(ports: Any, ids: list[str], *, verified: bool, seed: int = 0) -> None:
     ports.scheduler.handle_requests(
-        [Msg(request(request_id=r, seed=seed + i).to_bytes(), i) for i, r in enumerate(ids)]
+        [
+            Msg(request(recased(PROMPT, seed + i), request_id=r, seed=seed + i).to_bytes(), i)
+            for i, r in enumerate(ids)
+        ]
     )
     for r in ids:  # as if a verified row (or another row) had planned each with a donor
         ports.ledger.records[r] = ports.ledger.records[r].model_copy(update={"verified_plan": verified})
@@ -181,9 +184,13 @@ def test_a_dispatched_verified_plan_is_recorded_as_such_and_spends_the_explorati
     assert gate.allows("toy", "few", similarity, 3)  # the band is open: nothing was spent
     _rejected_enough(gate, similarity=similarity)
     gate.record("toy", "few", similarity, "rejected", stage1_steps=3)  # below 1/4 accepted: closed
-    ports.scheduler.handle_requests([Msg(request(reworded, request_id="t1", seed=1).to_bytes(), 2)])
+    ports.scheduler.handle_requests(
+        [Msg(request(recased(reworded, 1), request_id="t1", seed=1).to_bytes(), 2)]
+    )
     assert ports.dispatcher.orders[-1].plan.stage1_steps == 3  # the closed band's exploration, dispatched
-    ports.scheduler.handle_requests([Msg(request(reworded, request_id="t2", seed=2).to_bytes(), 3)])
+    ports.scheduler.handle_requests(
+        [Msg(request(recased(reworded, 2), request_id="t2", seed=2).to_bytes(), 3)]
+    )
     assert ports.dispatcher.orders[-1].plan.stage1_steps == 0  # spent: paused until the next interval
     assert not ports.ledger.records["t2"].verified_plan
 

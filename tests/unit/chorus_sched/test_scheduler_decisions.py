@@ -22,7 +22,7 @@ from producer.contract import (
     ReusePlan,
 )
 from producer.orders import Role, WorkOrder
-from tests.helpers.scheduler_fakes import PROMPT, REQUESTS, Msg, Ports, done, make_ports, request
+from tests.helpers.scheduler_fakes import PROMPT, REQUESTS, Msg, Ports, done, make_ports, recased, request
 
 
 @pytest.fixture
@@ -58,11 +58,14 @@ def test_a_valid_request_becomes_one_dispatched_order(ports: Ports) -> None:
 def test_requests_of_one_poll_are_embedded_as_one_batch_and_a_similar_one_follows_the_leader(
     ports: Ports,
 ) -> None:
-    lead, follow = request(request_id="lead", seed=1), request(request_id="follow", seed=2)
+    lead, follow = request(request_id="lead", seed=1), request(recased(PROMPT), request_id="follow", seed=2)
+    mine = request(request_id="mine", seed=3, keep_seed=True)  # the lead's text: embedded with it
     off = request("a green triangle moving up", request_id="off", reuse="off")
-    ports.scheduler.handle_requests([Msg(m.to_bytes(), i) for i, m in enumerate((lead, follow, off))])
+    polled = (lead, follow, mine, off)
+    ports.scheduler.handle_requests([Msg(m.to_bytes(), i) for i, m in enumerate(polled)])
 
-    assert ports.embedder.calls == [[PROMPT]]  # one batch, each distinct prompt once, none for reuse "off"
+    # one batch, each distinct text once, none for reuse "off"
+    assert [sorted(batch) for batch in ports.embedder.calls] == [sorted([PROMPT, recased(PROMPT)])]
     orders = {o.request.request_id: o for o in ports.dispatcher.orders}
     assert orders["lead"].role is Role.LEADER
     assert orders["follow"].role is Role.FOLLOWER
@@ -157,7 +160,7 @@ def test_a_result_feeds_the_donor_index_and_a_later_similar_request_reuses_it(po
     assert ports.ledger.state("lead") == "done"
     assert ports.scheduler.stats.donors_indexed == 1
 
-    ports.scheduler.handle_requests([Msg(request(request_id="later", seed=3).to_bytes(), 1)])
+    ports.scheduler.handle_requests([Msg(request(recased(PROMPT), request_id="later", seed=3).to_bytes(), 1)])
     later = ports.dispatcher.orders[-1]
     assert later.role is Role.SOLO and later.donor is not None and later.donor.request_id == "lead"
     assert later.plan.reuses and later.donor.wait_s == 0
@@ -183,7 +186,7 @@ def test_a_request_that_keeps_its_seed_never_gets_a_donor_grown_from_another_see
 ) -> None:
     ports.scheduler.handle_requests([Msg(request(request_id="lead", seed=1).to_bytes(), 0)])
     ports.scheduler.handle_results([Msg(done("lead").to_bytes(), 0, topic="results")])
-    ports.scheduler.handle_requests([Msg(request(request_id="later", seed=3).to_bytes(), 1)])
+    ports.scheduler.handle_requests([Msg(request(recased(PROMPT), request_id="later", seed=3).to_bytes(), 1)])
     later = ports.dispatcher.orders[-1]
     assert later.donor is not None and later.donor.request_id == "lead"
     # it reused lead's noise (Stage 1 or Stage 2 alike): its video is not seed 3's own sample, so it says
