@@ -67,7 +67,9 @@ def test_demo_runs_end_to_end_and_a_second_run_reuses_the_first(tmp_path: Path) 
         if r.hit:
             assert r.donor_request_id in run_ids and r.donor_request_id != r.request_id
             assert r.donor_similarity is not None and r.donor_similarity > 0.9
-            assert (r.plan_k1 or 0) + (r.plan_k2 or 0) > 0 and r.fallback is None
+            # a stage hit ran a plan; the new-seed request may instead be served the base's video (no plan)
+            staged = (r.plan_k1 or 0) + (r.plan_k2 or 0) > 0 and r.fallback is None
+            assert staged or (r.reuse_kind == "exact" and r.steps_computed == 0)
     assert t.speedup_per_hit is not None and t.stream_speedup is not None
     for r in summary.requests:
         assert r.video_mp4 is not None and r.video_gif is not None

@@ -2,7 +2,8 @@
 
 Per replay: requests and their outcome, hit kinds (``GenerationResult.reuse``; a *hit* is a result that saved
 compute, ``saved_compute``, or an exact hit), steps and token-steps computed (token-steps in units of full
-steps: a request's ``tokens_computed_fraction`` × its steps), throughput (requests over the makespan, from the
+steps: a request's ``tokens_computed_fraction`` × its steps, plus the pass a rejected or shortened donor check
+threw away, also apart as ``token_steps_thrown_away``; ``verification`` counts the checks' decisions), throughput (requests over the makespan, from the
 first request sent to the last result read), latency percentiles (sent → result read), and the worker's seconds
 per request by phase for the requests a worker ran (exact hits have none):
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,6 +100,9 @@ def summarize(
     outside = sum(phases[p] or 0.0 for p in OUTSIDE) if worked else float("nan")
     denoise = phases["denoise"] or 0.0
     steps_requested = sum(r.steps_requested for r in done)
+    # A rejected or shortened donor check computed a pass the video did not keep: it is computed work all the same.
+    thrown_away = sum(r.verification.wasted_tokens_fraction for r in done if r.verification is not None)
+    token_steps = sum(r.tokens_computed_fraction * r.steps_requested for r in done) + thrown_away
     return {
         "requests": len(observations),
         "status": {str(s): sum(r.status is s for r in results) for s in ResultStatus},
@@ -106,12 +111,12 @@ def summarize(
         "fallbacks": sum(r.fallback is not None for r in done),
         "steps_requested": steps_requested,
         "steps_computed": sum(r.steps_computed for r in done),
-        "token_steps_computed": round(sum(r.tokens_computed_fraction * r.steps_requested for r in done), 2),
-        "token_steps_fraction": round(
-            sum(r.tokens_computed_fraction * r.steps_requested for r in done) / steps_requested, 4
-        )
-        if steps_requested
-        else None,
+        "token_steps_computed": round(token_steps, 2),
+        "token_steps_thrown_away": round(thrown_away, 2),
+        "token_steps_fraction": round(token_steps / steps_requested, 4) if steps_requested else None,
+        "verification": dict(
+            sorted(Counter(r.verification.decision for r in done if r.verification is not None).items())
+        ),
         "makespan_s": round(makespan, 3),
         "throughput_rps": round(len(observations) / makespan, 4) if makespan > 0 else None,
         "latency_s": {

@@ -24,7 +24,7 @@ variant            share  what it is
 =================  =====  ==============================================================================
 ``fresh``          0.25   a new family: new attributes, new wording
 ``exact``          0.15   a family's base prompt and seed again (an exact hit: no worker needed)
-``reseed``         0.25   the base prompt with a new seed (a Stage-1 donor: the same text)
+``reseed``         0.25   the base prompt with a new seed (served the base's video: an other-seed exact hit)
 ``paraphrase``     0.10   the base attributes, other template and words
 ``one_attribute``  0.15   the base wording with one attribute changed
 ``two_attributes`` 0.10   the base wording with two attributes changed

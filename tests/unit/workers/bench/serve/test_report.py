@@ -1,10 +1,18 @@
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from producer.contract import GenerationResult, PhaseTimings, ResultStatus, ReuseKind, build_request
+from producer.contract import (
+    GenerationResult,
+    PhaseTimings,
+    ResultStatus,
+    ReuseKind,
+    VerificationReport,
+    build_request,
+)
 from workers.bench.serve import report
 from workers.bench.serve.replay import Observation
 from workers.bench.serve.trace import TraceItem, Variant
@@ -55,6 +63,26 @@ def test_summary_counts_hits_steps_and_phases() -> None:
     assert phases["deliver"] == pytest.approx(0.1 - 0.03)  # the hop to the reader is latency, not worker time
     assert s["outside_engine_s"] == pytest.approx(0.01 + 0.02 + 0.05 + 0.03 + 0.04 + 0.03)
     assert s["outside_engine_ratio"] == pytest.approx(s["outside_engine_s"] / 0.4, rel=1e-3)
+
+
+def test_a_donor_check_that_threw_its_pass_away_counts_as_computed_work() -> None:
+    def checked(o: Observation, check: VerificationReport) -> Observation:
+        return dataclasses.replace(o, result=o.result.model_copy(update={"verification": check}))
+
+    rejected = checked(  # computed in full after its donor was rejected
+        _obs(0, 1.0),
+        VerificationReport(
+            decision="rejected", signal=0.5, step=3, stage1_steps=0, wasted_tokens_fraction=1.0
+        ),
+    )
+    accepted = checked(
+        _obs(1, 1.0, reuse=ReuseKind.STAGE1, fraction=0.25),
+        VerificationReport(decision="accepted", signal=0.001, step=3, stage1_steps=3),
+    )
+    s = report.summarize([rejected, accepted], start=10.0)
+    assert s["token_steps_computed"] == pytest.approx(4 + 1 + 1) and s["token_steps_thrown_away"] == 1.0
+    assert s["token_steps_fraction"] == pytest.approx(6 / 8)
+    assert s["verification"] == {"accepted": 1, "rejected": 1}
 
 
 def test_without_the_workers_publish_time_it_is_left_out_not_guessed() -> None:
