@@ -65,6 +65,7 @@ class Totals(BaseModel):
     missing: int
     eligible: int = Field(description="requests allowed to reuse (reuse: auto)")
     hits: int
+    exact_hits: int = Field(default=0, description="hits served whole from a stored video (no worker)")
     hit_ratio: float
     donors_from_earlier_runs: int
     steps_requested: int
@@ -73,10 +74,12 @@ class Totals(BaseModel):
     token_steps_saved: float
     full_compute_requests: int
     full_compute_denoise_median_s: float | None
-    hit_denoise_median_s: float | None
+    hit_denoise_median_s: float | None = Field(description="median denoise time of the hits a worker ran")
     full_compute_denoise_mean_s: float | None
     hit_denoise_mean_s: float | None
-    speedup_per_hit: float | None = Field(description="full-compute median / hit median denoise time")
+    speedup_per_hit: float | None = Field(
+        description="full-compute median / median denoise time of the hits a worker ran (None: none ran)"
+    )
     stream_denoise_s: float
     stream_full_compute_estimate_s: float | None
     stream_speedup: float | None
@@ -105,7 +108,8 @@ class DemoSummary(BaseModel):
 SPEEDUP_NOTE = (
     "Full-compute time = the median worker-measured denoise time of this run's requests that computed every step "
     "(each family's reuse-off baseline, misses, and plans that saved nothing); medians, because other load on the machine makes single "
-    "requests slow. Speedup per hit = that median / the hits' median denoise time. Stream speedup = (done requests "
+    "requests slow. Speedup per hit = that median / the median denoise time of the hits a worker ran (an exact hit, "
+    "served whole, has none). Stream speedup = (done requests "
     "× the full-compute mean) / the stream's measured total denoise time. Token-step speedup = steps requested / "
     "(steps requested × tokens-computed fraction), summed over the stream: the compute the engine skipped."
 )
@@ -130,8 +134,9 @@ def compute_totals(rows: list[RequestSummary]) -> Totals:
     done = [r for r in rows if r.status == "done"]
     full = [r.denoise_s for r in done if r.full_compute]
     hits = [r for r in done if r.hit]
+    worked = [r.denoise_s for r in hits if r.reuse_kind != "exact"]
     full_median = _median(full)
-    hit_median = _median([r.denoise_s for r in hits])
+    hit_median = _median(worked)
     full_mean = _mean(full)
     stream_denoise = sum(r.denoise_s for r in done)
     # A total compares with a total: the stream's measured sum against (requests × the full-compute mean).
@@ -146,6 +151,7 @@ def compute_totals(rows: list[RequestSummary]) -> Totals:
         missing=sum(1 for r in rows if r.status == "missing"),
         eligible=len(eligible),
         hits=len(hits),
+        exact_hits=sum(1 for r in hits if r.reuse_kind == "exact"),
         hit_ratio=len(hits) / len(eligible) if eligible else 0.0,
         donors_from_earlier_runs=sum(1 for r in hits if r.donor_from_earlier_run),
         steps_requested=requested,
@@ -156,7 +162,7 @@ def compute_totals(rows: list[RequestSummary]) -> Totals:
         full_compute_denoise_median_s=full_median,
         hit_denoise_median_s=hit_median,
         full_compute_denoise_mean_s=full_mean,
-        hit_denoise_mean_s=_mean([r.denoise_s for r in hits]),
+        hit_denoise_mean_s=_mean(worked),
         speedup_per_hit=_ratio(full_median, hit_median),
         stream_denoise_s=stream_denoise,
         stream_full_compute_estimate_s=estimate,
@@ -285,7 +291,8 @@ def print_report(console: Console, summary: DemoSummary, sheet: Path | None, out
     console.print(
         f"[bold]full-compute denoise[/] {_fmt(t.full_compute_denoise_median_s, '.3f', ' s')} (median of "
         f"{t.full_compute_requests} full requests), [bold]with reuse[/] "
-        f"{_fmt(t.hit_denoise_median_s, '.3f', ' s')} (median of {t.hits}): "
+        f"{_fmt(t.hit_denoise_median_s, '.3f', ' s')} (median of {t.hits - t.exact_hits} hits a worker ran; "
+        f"{t.exact_hits} served whole): "
         f"speedup per hit [bold]{_fmt(t.speedup_per_hit, '.2f', '×')}[/]; stream "
         f"{t.stream_denoise_s:.2f} s vs {_fmt(t.stream_full_compute_estimate_s, '.2f', ' s')} estimated all-full "
         f"(mean {_fmt(t.full_compute_denoise_mean_s, '.3f', ' s')} × {t.done}): "

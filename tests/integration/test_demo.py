@@ -70,7 +70,10 @@ def test_demo_runs_end_to_end_and_a_second_run_reuses_the_first(tmp_path: Path) 
             # a stage hit ran a plan; the new-seed request may instead be served the base's video (no plan)
             staged = (r.plan_k1 or 0) + (r.plan_k2 or 0) > 0 and r.fallback is None
             assert staged or (r.reuse_kind == "exact" and r.steps_computed == 0)
-    assert t.speedup_per_hit is not None and t.stream_speedup is not None
+    # speedup per hit is over the hits a worker ran: on this model (random weights) only the new-seed request
+    # reuses, served whole, so there may be none
+    assert t.stream_speedup is not None and t.exact_hits >= 1
+    assert t.speedup_per_hit is None or t.hits > t.exact_hits
     for r in summary.requests:
         assert r.video_mp4 is not None and r.video_gif is not None
         assert (out1 / r.video_mp4).read_bytes()[4:8] == b"ftyp"

@@ -96,7 +96,9 @@ def test_a_batch_of_families_through_chorus_produce(stack: EmbeddedStack, tmp_pa
     tenant = "batch"
     lines: list[dict[str, Any]] = []
     for family, prompt in FAMILIES.items():
-        prompts = [prompt, prompt, prompt.replace(" on ", " across ")]  # again, another seed, a paraphrase
+        # again in other case (the same words: a Stage-1 donor; the very same text with another seed would be
+        # served the first's video whole, chorus_sched.exact), another seed, a paraphrase
+        prompts = [prompt, prompt.capitalize(), prompt.replace(" on ", " across ")]
         lines += [
             {"request_id": f"batch-{family}-{i}", "prompt": p, "seed": i, "tenant": tenant}
             for i, p in enumerate(prompts)
@@ -317,7 +319,7 @@ def test_a_donor_deleted_between_planning_and_fetch_runs_in_full_and_says_why(st
         entry = index.get(donor.job_id)
         assert entry is not None and entry.ready
 
-    target = request("vanish-target", prompt, tenant, seed=2)
+    target = request("vanish-target", prompt.capitalize(), tenant, seed=2)  # the same words: a donor
     store = stack.object_store()
     (worker,) = stack.workers
     with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
@@ -350,7 +352,7 @@ def test_a_follower_whose_leader_never_runs_completes_in_full_after_its_deadline
 ) -> None:
     tenant, prompt = "orphan", "a silver train crossing a long bridge"
     leader = request("orphan-leader", prompt, tenant, seed=1)
-    follower = request("orphan-follower", prompt, tenant, seed=2)
+    follower = request("orphan-follower", prompt.capitalize(), tenant, seed=2)  # the same words: a follower
     (worker,) = stack.workers
     queue_name = queue_for(MODEL)
     with ChorusClient(stack.producer_settings) as client, client.watch_results() as watcher:
@@ -413,7 +415,9 @@ def test_a_donor_found_missing_at_fetch_is_not_planned_again(stack: EmbeddedStac
     assert missed.donor_gone
     stack.wait_idle(timeout_s=WAIT_S)
     # The same prompt again: the planner should no longer offer the donor whose objects are known to be gone.
-    again = request("gone-again", prompt, tenant, seed=3)
+    again = request(
+        "gone-again", prompt.capitalize(), tenant, seed=3
+    )  # planned, not served the donor's video
     result = submit_and_wait(stack, again)[again.request_id]
     assert result.status is ResultStatus.DONE, result.error
     assert result.donor is not None and result.donor.request_id != donor.request_id, result.donor

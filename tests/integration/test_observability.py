@@ -44,6 +44,7 @@ from producer.local.processes import free_port
 from producer.local.stack import EmbeddedStack
 from producer.sdk import ChorusClient
 from tests.helpers import topics
+from tests.helpers.scheduler_fakes import recased
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -260,11 +261,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             wave1 = [
                 request("obs-a1", RED, 1),  # leader: nothing in the index
                 request("obs-b1", TRIANGLE, 1),  # leader: the running red leader does not fit it
-                request("obs-a2", RED, 2),  # follows the running red leader
+                # follows the running red leader (the same words; the very same text would wait for its video)
+                request("obs-a2", recased(RED), 2),
             ]
             wave2 = [
                 request("obs-a3", BLUE, 3),  # a finished red donor, one word apart
-                request("obs-b2", TRIANGLE, 2),  # the finished triangle
+                request("obs-b2", recased(TRIANGLE), 2),  # the finished triangle
                 request("obs-c1", SQUARE, 1),  # no donor fits
                 request("obs-z1", RED, 4, tenant="zeta"),  # acme's red donors are not zeta's
                 request("obs-off", RED, 5, reuse=ReusePolicy.OFF),  # no lookup at all

@@ -31,6 +31,7 @@ from producer.orders import (
     Role,
     queue_for,
 )
+from tests.helpers.scheduler_fakes import recased
 from tests.helpers.scheduler_harness import (
     OTHER,
     PROMPT,
@@ -95,7 +96,11 @@ def test_requests_become_one_task_each_bad_ones_are_dead_lettered_and_copies_run
 def test_similar_requests_group_then_a_finished_donor_is_reused_and_its_hits_counted(
     harness: Harness,
 ) -> None:
-    leader, follower = request(request_id="lead", seed=1), request(request_id="follow", seed=2)
+    # the same words in another text: a follower (the very same text would wait for the leader's video whole)
+    leader, follower = (
+        request(request_id="lead", seed=1),
+        request(recased(PROMPT), request_id="follow", seed=2),
+    )
     harness.publish(leader)
     harness.wait_handled()
     harness.publish(follower, request(OTHER, request_id="unrelated"))
@@ -125,7 +130,7 @@ def test_similar_requests_group_then_a_finished_donor_is_reused_and_its_hits_cou
     assert entry.trajectory_uri == "s3://chorus/trajectories/lead/"
 
     # a later similar request takes the finished donor
-    harness.publish(request(request_id="later", seed=3))
+    harness.publish(request(recased(PROMPT, 2), request_id="later", seed=3))
     harness.wait_handled()
     later = harness.generate_tasks()["later"].order
     assert later.role is Role.SOLO and later.donor is not None and later.donor.request_id == "lead"
@@ -141,7 +146,7 @@ def test_similar_requests_group_then_a_finished_donor_is_reused_and_its_hits_cou
     assert entry is not None and (entry.hits, entry.steps_saved) == (1, 2.0) and entry.last_hit_at
     # requests that were not leaders become donors too, from the ledger's record of them
     later_entry = harness.scheduler.index.get("later")
-    assert later_entry is not None and later_entry.ready and later_entry.prompt == PROMPT
+    assert later_entry is not None and later_entry.ready and later_entry.prompt == recased(PROMPT, 2)
     assert later_entry.tenant == "default" and later_entry.compat_key == request().compatibility_key
 
 
@@ -165,7 +170,7 @@ def test_cross_tenant_reuse_when_allowed(make_settings: Any) -> None:
         h.wait_handled()
         h.publish_result(done("theirs", tenant="globex"))
         h.wait_handled()
-        h.publish(request(request_id="mine", tenant="acme", seed=1))  # another seed: not an exact hit
+        h.publish(request(recased(PROMPT), request_id="mine", tenant="acme", seed=1))  # another text: a donor
         h.wait_handled()
         order = h.generate_tasks()["mine"].order
         # another tenant's donor is named by its job id (tenant~request id)
@@ -193,7 +198,7 @@ def test_eviction_removes_the_point_then_orders_the_objects_deleted(make_setting
         h.wait_handled()
         assert h.scheduler.index.get("d3") is None  # a failed leader's entry goes at once
         # one used donor is worth more than the unused one
-        h.publish(request(request_id="user", seed=1))  # another seed than d1: a donor, not an exact hit
+        h.publish(request(recased(PROMPT), request_id="user", seed=1))  # another text than d1's: a donor
         h.wait_handled()
         user = h.generate_tasks()["user"].order
         assert user.donor is not None and user.donor.request_id == "d1"
@@ -225,7 +230,10 @@ def test_a_donor_a_worker_found_gone_is_evicted_and_not_offered_again(make_setti
         h.wait_handled()
         h.publish_result(done("gone"))
         h.wait_handled()
-        h.publish(request(request_id="slow-user", seed=2), request(request_id="user", seed=3))
+        h.publish(
+            request(recased(PROMPT, 1), request_id="slow-user", seed=2),
+            request(recased(PROMPT, 2), request_id="user", seed=3),
+        )
         h.wait_handled()
         tasks = h.generate_tasks()
         for rid in ("slow-user", "user"):
@@ -254,7 +262,7 @@ def test_a_donor_a_worker_found_gone_is_evicted_and_not_offered_again(make_setti
             (("gone",), "donor-gone")
         }
         # the next similar request takes one of the requests that ran in full, not the gone donor
-        h.publish(request(request_id="next", seed=4))
+        h.publish(request(recased(PROMPT, 4), request_id="next", seed=4))
         h.wait_handled()
         nxt = h.generate_tasks()["next"].order
         assert nxt.donor is not None and nxt.donor.request_id in {"slow-user", "user"}
@@ -342,7 +350,7 @@ def test_redelivery_after_a_crash_between_dispatch_and_commit_does_not_duplicate
     # An instance that handles a poll and dies before committing: its orders are on the broker, its offsets not.
     scheduler, close = build_scheduler(settings, embedder=HashingEmbedder(), dispatcher=Dispatcher(app))
     producer = bus.make_producer(settings)
-    sent = [request(request_id=f"c{i}", seed=i) for i in range(3)]
+    sent = [request(recased(PROMPT, i), request_id=f"c{i}", seed=i) for i in range(3)]
     for r in sent:
         bus.publish(producer, settings.kafka_requests_topic, r.request_id, r.to_bytes())
     producer.close()

@@ -22,8 +22,10 @@ from producer.contract import (
 from producer.orders import (
     queue_for,
 )
+from tests.helpers.scheduler_fakes import recased
 from tests.helpers.scheduler_harness import (
     OTHER,
+    PROMPT,
     Harness,
     Record,
     celery_client,
@@ -50,7 +52,7 @@ def test_hostile_messages_are_dead_lettered_and_the_requests_behind_them_run(har
     send(topic, key=None, value=b'{"prompt": "a red circle moving left on a gray background"}').get(
         timeout=30
     )
-    valid = [request(request_id=f"after-{i}", seed=i) for i in range(3)]
+    valid = [request(recased(PROMPT, i), request_id=f"after-{i}", seed=i) for i in range(3)]
     harness.publish(*valid)
     harness.wait_handled()
 
@@ -97,7 +99,7 @@ def test_with_the_index_held_by_another_client_requests_are_computed_in_full_not
     assert harness.scheduler.stats.dead_lettered == 0
     assert harness.scheduler.stats.index_unavailable == 1  # only the reuse: auto request needed the index
     # the index is back: the next request uses it again
-    harness.publish(request(request_id="after-down", seed=2))
+    harness.publish(request(recased(OTHER), request_id="after-down", seed=2))  # not while-down's twin
     harness.wait_handled()
     assert harness.scheduler.index.get("after-down") is not None
 

@@ -28,6 +28,7 @@ from producer.local.processes import ServiceProcess
 from producer.local.stack import EmbeddedStack
 from producer.orders import GENERATE_TASK, Role, WorkOrder, queue_for
 from producer.readiness import ReadinessEvent
+from tests.helpers.scheduler_fakes import recased
 from tests.helpers.topics import read_topic
 
 pytestmark = pytest.mark.integration
@@ -95,7 +96,8 @@ def _check_two_instances(stack: EmbeddedStack) -> None:
     def family_requests(batch: int, per_family: int) -> list[GenerationRequest]:
         return [
             build_request(
-                prompt=prompt,
+                # the family's words in another text each (the very same text would wait for the first's video)
+                prompt=recased(prompt, 100 * batch + i),
                 model="toy",
                 tenant="acme",
                 request_id=f"f{f}-b{batch}-{i}",

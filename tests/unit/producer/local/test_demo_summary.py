@@ -58,6 +58,7 @@ def test_each_row_names_its_reuse_kind_and_saving() -> None:
             "f1-new-seed",
             hit=True,
             reuse_kind="stage1",
+            denoise_s=0.05,
             donor_request_id="demo-r1-f1-base",
             donor_similarity=1.0,
             steps_computed=1,
@@ -70,4 +71,7 @@ def test_each_row_names_its_reuse_kind_and_saving() -> None:
     assert "stage1 (75%)" in lines["f1-new-seed"]
     assert "saved nothing" in lines["f1-attribute"]
     assert "none" in lines["f1-base"]
-    assert compute_totals(rows).hits == 2
+    totals = compute_totals(rows)
+    assert (totals.hits, totals.exact_hits) == (2, 1)
+    # the exact hit had no worker: the hit median is the new-seed's denoise time alone
+    assert totals.hit_denoise_median_s == 0.05
