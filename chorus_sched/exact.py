@@ -10,11 +10,13 @@ decided at intake before any embedding or search:
 - neither: the request runs, and is recorded as the one running for its fingerprint.
 
 *Another seed.* A request that differs only in its seed (``any_seed_fingerprint``) and does not keep its seed is
-served the same way, with ``seed_honoured: false``. Reuse would give it exactly that video anyway: a Stage-1 donor
-with the same prompt and settings hands over its latent after k1 steps, and the steps computed from there repeat
-the donor's own computation (same latent, timestep, prompt and guidance), so the output is the donor's video bit
-for bit (tests/unit/workers/engine/test_same_prompt_toy.py): the worker's steps were pure cost. A request that
-wants its own seed's sample says ``keep_seed`` and is computed.
+served the same way, with ``seed_honoured: false``: by policy, the same prompt and settings sent again with a new
+seed return the video already made unless the request sets ``keep_seed``. It is the video Stage-1 reuse from that
+donor gives: the steps computed after the switch point repeat the donor's own computation (same latent, timestep,
+prompt and guidance), so with float32 trajectories the output is the donor's video bit for bit (the toy model,
+k1 = 1..3 of 4: tests/unit/workers/engine/test_same_prompt_toy.py; a float16 trajectory rounds the latent the
+steps start from), and the worker's steps were cost without a new sample. The stored video outlives the donor's
+trajectory (cache eviction deletes trajectories, not videos), so it is served even where Stage 1 no longer could.
 
 Everything lives in the ledger (values and waiting lists under the fingerprint), so any scheduler instance can
 answer what another started. Entries expire with the donor TTL; a video is never deleted by cache eviction.
@@ -118,23 +120,29 @@ class ExactHits:
         for key, match in keys:
             running = self.ledger.get_value(f"{key}:running")
             # Only a run still in flight is waited for: one that ended without telling us must not hold others.
-            if (
-                running is not None
-                and running != request.job_id
-                and self.ledger.state(running) in (RequestState.ACCEPTED, RequestState.DISPATCHED)
-            ):
+            if running is not None and running != request.job_id and self._in_flight(running):
                 self._wait(request, key, match, running)
                 return ExactOutcome.COALESCED
         return ExactOutcome.RUN
+
+    def _in_flight(self, job_id: str | None) -> bool:
+        return job_id is not None and self.ledger.state(job_id) in (
+            RequestState.ACCEPTED,
+            RequestState.DISPATCHED,
+        )
 
     def _wait(self, request: GenerationRequest, key: str, match: Match, running: str) -> None:
         self.ledger.add_waiter(key, request.model_dump_json())
         self.ledger.set_state(request.job_id, RequestState.COALESCED)
         # The run may have finished between the check and the push, its result taking an empty waiting list:
-        # look again, and answer whatever waits now (taking the list is atomic, so nothing is answered twice).
-        if self.ledger.get_value(f"{key}:running") != running:
-            self._answer_waiters(key, match, self._stored(key, None))
-        METRICS.exact_hits.labels(kind=_kind("coalesced", match)).inc()
+        # look again, and answer whatever waits now (taking the list is atomic, so nothing is answered twice). If
+        # another run in flight took the key meanwhile (one of another seed), its result answers the list.
+        now = self.ledger.get_value(f"{key}:running")
+        if now != running:
+            stored = self._stored(key, None)
+            if stored is not None or not self._in_flight(now):
+                self._answer_waiters(key, match, stored)
+        # Counted as a hit when answered (``_serve``): a wait whose run fails ends in a full run of its own.
         log.info(
             "identical request running; this one waits for its result"
             if match is Match.SAME_SEED
@@ -171,12 +179,13 @@ class ExactHits:
             (self._scope(request), Match.SAME_SEED),
             (self._any_seed_scope(request), Match.OTHER_SEED),
         ):
-            if self.ledger.get_value(f"{key}:running") == request.job_id:
-                self.ledger.delete_value(f"{key}:running")
+            # The result first, then the end of the run: a request starting to wait in between finds one of them.
             if served:
                 self.ledger.put_value(
                     f"{key}:done", result.model_dump_json(), ttl_s=self.settings.donor_ttl_s
                 )
+            if self.ledger.get_value(f"{key}:running") == request.job_id:
+                self.ledger.delete_value(f"{key}:running")
             self._answer_waiters(key, match, result if served else None, failed=None if served else result)
 
     def _answer_waiters(

@@ -58,6 +58,8 @@ def _served(donor: Outcome) -> Outcome:
         seconds=0.0,
         stage2_fractions=(),
         verification=None,
+        cache=None,
+        trajectory=None,
     )
 
 
@@ -304,7 +306,7 @@ class StepCountBench:
         if run_probe:
             self.probes(t, donor, keep, rows.probes)
         if "chorus-cachedit" in self.want:
-            self.chorus_cachedit(t, plan, donor, keep, rows.combined)
+            self.chorus_cachedit(t, plan, donor, keep, rows.combined, served_video=d_out if served else None)
 
     def chorus(
         self,
@@ -356,11 +358,20 @@ class StepCountBench:
             prow.add(o)
 
     def chorus_cachedit(
-        self, t: Target, plan: ReusePlan, donor: Trajectory | None, keep: bool, row: Row
+        self,
+        t: Target,
+        plan: ReusePlan,
+        donor: Trajectory | None,
+        keep: bool,
+        row: Row,
+        served_video: Outcome | None = None,
     ) -> None:
-        """The planner's plan under cache-dit; without reuse it is the cache-dit-alone outcome."""
+        """The planner's plan under cache-dit; without reuse it is the cache-dit-alone outcome; a request served
+        another seed's video of its prompt computes nothing, as in the ``chorus`` row."""
         n = self.n
-        if plan.reuses:
+        if served_video is not None:
+            o = _served(served_video)
+        elif plan.reuses:
             o = self.suite.runner.run(
                 t.prompt,
                 t.seed,

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from kafka.structs import TopicPartition
 
+from chorus_sched.ledger import RequestState
 from producer.contract import (
     GenerationResult,
     ResultStatus,
@@ -192,6 +193,29 @@ def test_a_request_that_keeps_its_seed_neither_waits_for_nor_is_served_another_s
     ports.scheduler.handle_requests([Msg(request(request_id="later", seed=4).to_bytes(), 2)])
     [answer] = ports.results()
     assert answer.served_from == "mine" and answer.seed_honoured is True
+
+
+def test_a_request_that_starts_waiting_as_another_run_takes_the_key_waits_for_a_video_not_a_full_run(
+    ports: Ports,
+) -> None:
+    # Between the newcomer's check (the runner holds the any-seed key) and its push onto the waiting list, a run
+    # of another seed is dispatched and takes the key: the list still gets a video, from whichever run ends.
+    ports.scheduler.handle_requests([Msg(request(request_id="runner", seed=3).to_bytes(), 0)])
+    exact, ledger = ports.scheduler.exact, ports.ledger
+    push = ledger.add_waiter
+
+    def another_run_takes_the_key(key: str, value: str) -> None:
+        ledger.set_state("mine", RequestState.DISPATCHED)
+        exact.running(request(request_id="mine", seed=4, keep_seed=True))
+        push(key, value)
+
+    ledger.add_waiter = another_run_takes_the_key  # type: ignore[method-assign]
+    ports.scheduler.handle_requests([Msg(request(request_id="reseed", seed=5).to_bytes(), 1)])
+    ledger.add_waiter = push  # type: ignore[method-assign]
+    assert [o.request.request_id for o in ports.dispatcher.orders] == ["runner"]  # not sent to run in full
+    ports.scheduler.handle_results([Msg(done("runner").to_bytes(), 0, topic="results")])
+    [answer] = ports.results()
+    assert answer.request_id == "reseed" and answer.served_from == "runner" and not answer.seed_honoured
 
 
 def test_requests_of_another_seed_waiting_for_a_run_that_failed_are_run_in_full(ports: Ports) -> None:
