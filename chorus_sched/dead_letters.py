@@ -23,9 +23,8 @@ from producer.contract import (
     GenerationResult,
     ResultStatus,
     job_id,
-    salvage_identity,
-    salvage_json,
 )
+from producer.parsing import salvage_identity, salvage_json
 
 log = logging.getLogger(__name__)
 

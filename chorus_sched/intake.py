@@ -39,13 +39,9 @@ from chorus_sched.metrics import METRICS
 from chorus_sched.planner import Planner
 from chorus_sched.resend import Resends
 from chorus_sched.settings import SchedulerSettings
-from producer.contract import (
-    ContractError,
-    GenerationRequest,
-    ReusePolicy,
-    parse_keyed_request,
-)
+from producer.contract import ContractError, GenerationRequest, ReusePolicy
 from producer.orders import DonorRef, Role, WorkOrder, trajectory_prefix
+from producer.parsing import parse_keyed_request
 
 log = logging.getLogger(__name__)
 

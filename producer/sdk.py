@@ -41,8 +41,8 @@ from producer.contract import (
     GenerationRequest,
     GenerationResult,
     build_request,
-    parse_request,
 )
+from producer.parsing import parse_request
 from producer.settings import KafkaSettings, ProducerSettings
 
 log = logging.getLogger(__name__)

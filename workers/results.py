@@ -26,10 +26,9 @@ from producer.contract import (
     ResultStatus,
     ReuseKind,
     VerificationReport,
-    salvage_identity,
-    salvage_json,
 )
 from producer.orders import WorkOrder
+from producer.parsing import salvage_identity, salvage_json
 from producer.settings import KafkaSettings
 from workers.failures import FailureCode
 from workers.metrics import metrics

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from producer import bus
-from producer.contract import ErrorInfo, GenerationResult, ResultStatus, build_request, parse_request
+from producer.contract import ErrorInfo, GenerationResult, ResultStatus, build_request
+from producer.parsing import parse_request
 from producer.sdk import read_requests
 from producer.settings import KafkaSettings
 

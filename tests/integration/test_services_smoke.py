@@ -12,8 +12,9 @@ from chorus_sched.index import DonorEntry, DonorIndex
 from chorus_sched.ledger import RequestState
 from chorus_sched.ledger_stores import ledger_from_url
 from producer import bus
-from producer.contract import build_request, parse_request
+from producer.contract import build_request
 from producer.local.standins import EmbeddedService
+from producer.parsing import parse_request
 from producer.settings import KafkaSettings
 from workers.store import ObjectMissing, ObjectStore
 

@@ -54,6 +54,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "kernel": (
         "producer",
         "producer.contract",
+        "producer.parsing",
         "producer.catalog",
         "producer.settings",
         "producer.bus",

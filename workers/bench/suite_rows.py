@@ -298,15 +298,19 @@ class StepCountBench:
             d_out, donor = self.suite.donor(info.pair, n, keep_frames=keep)
             if keep and d_out.frames is not None:
                 self.frames[(n, t.index, "donor")] = (d_out.frames, d_out, f"donor ({cls})")
+        clip = _served(d_out) if served and d_out is not None else None
         if "chorus" in self.want:
-            self.chorus(t, plan, donor, keep, rows.chorus, served_video=d_out if served else None)
+            self.chorus(t, plan, donor, keep, rows.chorus, served=clip)
             rows.chorus.outcomes[-1].changed = info.pair.changed
         if "tgaa" in self.want and plan.reuses and plan.stage2_steps > 0 and plan.alpha > 1.0:
             self.alpha1(t, plan, donor, rows)
         if run_probe:
             self.probes(t, donor, keep, rows.probes)
         if "chorus-cachedit" in self.want:
-            self.chorus_cachedit(t, plan, donor, keep, rows.combined, served_video=d_out if served else None)
+            if clip is not None:  # served whole: no cache-dit run either
+                rows.combined.add(copy.copy(clip))
+            else:
+                self.chorus_cachedit(t, plan, donor, keep, rows.combined)
 
     def chorus(
         self,
@@ -315,14 +319,14 @@ class StepCountBench:
         donor: Trajectory | None,
         keep: bool,
         row: Row,
-        served_video: Outcome | None = None,
+        served: Outcome | None = None,
     ) -> None:
         """The planner's plan; a plan without reuse is the no-reuse outcome (everything is seeded); a request
-        served another seed's video of its prompt (``served_video``) computes nothing."""
+        served another seed's video of its prompt is that clip (``served``: computed nothing)."""
         n = self.n
         label = f"Chorus {plan_label(plan)}"
-        if served_video is not None:
-            o = _served(served_video)
+        if served is not None:
+            o = copy.copy(served)
             label = f"Chorus: {SERVED}"
         elif plan.reuses:
             o = self.suite.runner.run(
@@ -358,20 +362,11 @@ class StepCountBench:
             prow.add(o)
 
     def chorus_cachedit(
-        self,
-        t: Target,
-        plan: ReusePlan,
-        donor: Trajectory | None,
-        keep: bool,
-        row: Row,
-        served_video: Outcome | None = None,
+        self, t: Target, plan: ReusePlan, donor: Trajectory | None, keep: bool, row: Row
     ) -> None:
-        """The planner's plan under cache-dit; without reuse it is the cache-dit-alone outcome; a request served
-        another seed's video of its prompt computes nothing, as in the ``chorus`` row."""
+        """The planner's plan under cache-dit; without reuse it is the cache-dit-alone outcome."""
         n = self.n
-        if served_video is not None:
-            o = _served(served_video)
-        elif plan.reuses:
+        if plan.reuses:
             o = self.suite.runner.run(
                 t.prompt,
                 t.seed,

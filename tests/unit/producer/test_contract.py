@@ -20,12 +20,9 @@ from producer.contract import (
     ReusePlan,
     build_request,
     job_id,
-    parse_keyed_request,
-    parse_request,
-    salvage_identity,
-    salvage_json,
     split_job_id,
 )
+from producer.parsing import parse_keyed_request, parse_request, salvage_identity, salvage_json
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

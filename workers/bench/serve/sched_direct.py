@@ -36,7 +36,7 @@ SHAPE = Shape("toy", 4)
 # Qualified by file: a bare name also matched the service's wrapper of the same name (``handle_results``), which
 # counted feedback twice.
 PHASES: dict[str, tuple[tuple[str, str], ...]] = {
-    "validate": (("contract.py", "parse_keyed_request"),),
+    "validate": (("parsing.py", "parse_keyed_request"),),
     "claim": (("ledger_sqlite.py", "begin"), ("ledger_redis.py", "begin")),
     "exact": (("exact.py", "admit"),),
     "embed_request": (("intake.py", "_embed_requests"),),
